@@ -1,0 +1,99 @@
+"""The rollout engine interface shared by the embedded engine and the SGLang engine.
+
+The trainer talks to every engine through `RolloutEngine`; token ids go in, per-sample token ids,
+log-probs of the sampled tokens and finish reasons come out. Weights flow in through
+`update_weights` as a stream of Hugging Face-named tensors (see `WeightSource`), so an engine never
+needs to know how the trainer shards its model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one generate call (SGLang's names and conventions)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k, as in SGLang
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class RolloutSample:
+    """One generated response.
+
+    `logprobs[j]` is the log-probability of `response_ids[j]` under the distribution the engine
+    actually sampled from. `routed_experts`, when the engine records routes, is int32
+    [prompt_len + len(response_ids) - 1, num_moe_layers, top_k]: the experts chosen for every
+    token the model consumed (SGLang's layout), for routing replay (R3).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int = 0
+    routed_experts: np.ndarray | None = field(default=None, repr=False)
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Hugging Face-named tensors of the current policy, produced in bounded buckets.
+
+    Every rank of the trainer iterates the same buckets (collectives happen inside); only ranks
+    where `is_sender()` is true hold the gathered tensors and talk to the engine.
+    """
+
+    def buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+
+    def is_sender(self) -> bool: ...
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[RolloutSample]]:
+        """`n` samples for each prompt, grouped per prompt in prompt order."""
+        ...
+
+    def update_weights(self, source: WeightSource | None, version: int) -> None:
+        """Load new policy weights and tag subsequent samples with `version`.
+
+        `source` is None for engines that share the trainer's parameters in memory.
+        """
+        ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    def health(self) -> bool: ...
+
+    def close(self) -> None: ...
