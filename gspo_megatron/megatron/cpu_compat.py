@@ -1,0 +1,309 @@
+"""Run megatron-core 0.19.2 on machines without CUDA (CPU tensors, gloo collectives).
+
+megatron-core assumes CUDA throughout: `torch.cuda.current_device()` as a device, CUDA streams
+and events in the MoE dispatcher, CUDA RNG state in the tensor-parallel RNG tracker, hard-coded
+`device="cuda"` tensors, and a few collectives gloo does not offer. `apply()` installs one
+narrow replacement for each, only when CUDA is unavailable (every replaced entry point would
+raise on such a machine), and does nothing when CUDA is present. It must run before
+`megatron.core` is imported; `gspo_megatron.megatron` calls it on import.
+
+The shims touch private megatron functions, so the exact megatron-core version is checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.metadata
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+MEGATRON_CORE_VERSION = "0.19.2"
+
+_applied = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def check_megatron_version() -> None:
+    try:
+        found = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError as err:
+        raise ImportError(
+            f"megatron-core {MEGATRON_CORE_VERSION} is not installed: run `bash tools/install.sh`"
+        ) from err
+    if found != MEGATRON_CORE_VERSION:
+        raise ImportError(
+            f"gspo-megatron needs megatron-core=={MEGATRON_CORE_VERSION} (its CPU shims touch "
+            f"private functions of that release), found {found}: run `bash tools/install.sh`"
+        )
+
+
+def apply() -> bool:
+    """Install the CPU shims if CUDA is unavailable. Idempotent. Returns whether they are active."""
+    global _applied
+    check_megatron_version()
+    if cuda_available():
+        _fix_optimizer_fallback_path()
+        return False
+    if _applied:
+        return True
+    if "megatron.core" in sys.modules and not _applied:
+        raise RuntimeError(
+            "gspo_megatron.megatron.cpu_compat.apply() must run before megatron.core is imported"
+        )
+    _stub_triton_only_modules()
+    _redirect_torch_cuda()
+    _applied = True
+    _patch_megatron()
+    _fix_optimizer_fallback_path()
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Before megatron is imported
+
+
+def _stub_triton_only_modules() -> None:
+    # `megatron.core.transformer.moe.ops.paged_stash` imports triton unconditionally and is
+    # reached from `import megatron.core`; its kernels are used only by the CUDA paged-stash path.
+    if importlib.util.find_spec("triton") is not None:
+        return
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    stub = types.ModuleType(name)
+    stub.__doc__ = "Stand-in installed by gspo_megatron: triton kernels are unavailable on CPU."
+    stub.GLOBAL_BLOCK_SIZE = 1024
+
+    def _unavailable(*args, **kwargs):
+        raise RuntimeError("MoE paged stash needs triton and CUDA")
+
+    stub.paged_stash_copy_kernel = _unavailable
+    stub.paged_stash_pop_kernel = _unavailable
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[name] = stub
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullEvent:
+    """Stands in for torch.cuda.Event."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _redirect_torch_cuda() -> None:
+    """Point the torch.cuda entry points megatron calls at their CPU equivalents.
+
+    Each of these raises on a machine without CUDA, so nothing that worked before changes.
+    """
+    cuda = torch.cuda
+    # ~200 call sites use `torch.cuda.current_device()` as the device for new tensors.
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda device: None
+    cuda.device_count = lambda: 0
+    # MoE dispatchers, schedules and the optimizer overlap work on side streams.
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.nvtx.range_push = lambda msg: None
+    cuda.nvtx.range_pop = lambda: None
+    cuda.nvtx.range = lambda *args, **kwargs: contextlib.nullcontext()
+    # The tensor-parallel RNG tracker saves and restores "CUDA" generator states; on CPU the
+    # generator that samples dropout masks and initial weights is the CPU one.
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # (torch.manual_seed itself calls torch.cuda.manual_seed_all, which stays torch's own.)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    # `.cuda()` on a tensor or module is a placement request; on CPU it stays where it is.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+
+
+# --------------------------------------------------------------------------------------------
+# After megatron is imported
+
+
+class _CpuDeviceTorch(types.ModuleType):
+    """`torch` as seen by one megatron module: tensor factories asked for device "cuda" get CPU.
+
+    Installed as the module-global `torch` of the few megatron modules that hard-code
+    `device="cuda"`; every other attribute is torch's own.
+    """
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like")
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str):
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            return _cpu_factory(attr)
+        return attr
+
+
+@functools.cache
+def _cpu_factory(factory):
+    @functools.wraps(factory)
+    def wrapper(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+_MODULES_WITH_CUDA_FACTORIES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.utils",
+)
+
+
+def _patch_megatron() -> None:
+    importlib.import_module("megatron.core")
+    cpu_torch = _CpuDeviceTorch()
+    for name in _MODULES_WITH_CUDA_FACTORIES:
+        module = importlib.import_module(name)
+        module.torch = cpu_torch
+
+    # The optimizers and gradient clipping accept only tensors whose `.type()` names a CUDA
+    # type; while they run, CPU tensors report the CUDA name of their dtype.
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    for owner, name in (
+        (distrib.DistributedOptimizer, "__init__"),
+        (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
+        (clip_grads, "clip_grad_by_total_norm_fp32"),
+        (optimizer, "clip_grad_by_total_norm_fp32"),
+    ):
+        setattr(owner, name, _with_cuda_type_names(getattr(owner, name)))
+
+    # The RNG tracker switches generator states through private helpers that reach
+    # `torch.cuda.default_generators` via `_lazy_call`, which without CUDA queues the call and
+    # never runs it: forks would silently keep the caller's state.
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
+
+
+def _fix_optimizer_fallback_path() -> None:
+    """Distributed-optimizer checkpoint loading without apex/transformer-engine.
+
+    On that path torch's Adam keeps a `step` tensor in each parameter's state, which the
+    checkpoint's per-parameter tensors do not include; `_set_main_param_and_optimizer_states`
+    then fails with KeyError 'step'. Missing keys are passed as None, which it skips (the step
+    count itself is restored from the optimizer's param groups). Applies on GPUs without TE too.
+    """
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    if distrib.HAVE_APEX_OR_TE or getattr(distrib.DistributedOptimizer, "_gspo_fixed", False):
+        return
+    original = distrib.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        completed = dict(tensors)
+        for key in self.optimizer.state[main_param]:
+            completed.setdefault(key, None)
+        return original(self, model_param, completed)
+
+    distrib.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    distrib.DistributedOptimizer._gspo_fixed = True
+
+
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        original = torch.Tensor.type
+
+        def type_(self, dtype=None, non_blocking=False, **kw):
+            if dtype is None and not kw:
+                name = original(self)
+                return _CUDA_TYPE_NAMES.get(name, name)
+            return original(self, dtype, non_blocking, **kw)
+
+        torch.Tensor.type = type_
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapper
+
+
+def init_process_group(**kwargs) -> None:
+    """torch.distributed.init_process_group with the backend for this machine."""
+    backend = "nccl" if cuda_available() else "gloo"
+    dist.init_process_group(backend=backend, **kwargs)

@@ -1,0 +1,565 @@
+"""The training engine: a megatron-core policy, its optimizer, and the RL loss in the schedule.
+
+Normalisation (DESIGN.md §3): every loss is Σ per-item terms / D with D counted once per
+optimizer step over all micro-batches and data-parallel ranks. We run megatron with
+`calculate_per_token_loss=False`, where the schedule divides each micro-batch's loss by its
+returned token count (we return 1) and by the micro-batch count M, and DDP scales gradients by
+1/(dp*cp) before summing them. Returning loss_sum * M * dp * cp / D per micro-batch therefore
+makes the accumulated gradient exactly ∇(Σ terms / D) for any M, DP, CP or PP — and leaves the
+MoE aux loss on megatron's standard path (averaged over micro-batches and DP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from gspo_megatron.algorithms.losses import get_policy_loss, policy_loss_terms
+from gspo_megatron.algorithms.metrics import finalize_metrics, metric_reduce_op
+from gspo_megatron.megatron.batch import (
+    MicroBatch,
+    TrainSample,
+    build_microbatch,
+    cp_index,
+    plan_microbatches,
+    split_for_data_parallel,
+    validate_samples,
+)
+from gspo_megatron.megatron.layout import ParallelLayout
+from gspo_megatron.megatron.logprobs import DEFAULT_CHUNK_BYTES, vocab_parallel_logprobs
+from gspo_megatron.megatron.model import build_model_chunks, transformer_config
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.megatron.routing import RouteRecorder
+
+
+@dataclass
+class OptimizerSettings:
+    """Adam with megatron's distributed optimizer, gradient clipping and an LR schedule."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_steps: int | None = None  # optimizer steps over which to decay; None: no decay
+    decay_style: str = "constant"  # constant | linear | cosine
+    distributed_optimizer: bool = True
+
+
+@dataclass
+class LossSettings:
+    """Which policy loss and its hyper-parameters (names as in gspo_megatron.algorithms)."""
+
+    name: str = "gspo"
+    hparams: dict = field(default_factory=dict)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+
+@dataclass
+class EngineSettings:
+    max_sequence_length: int = 4096
+    max_tokens_per_microbatch: int = 8192  # padded tokens (batch * length) per micro-batch
+    pad_token_id: int = 0
+    nonfinite: str = "skip"  # skip | raise: what to do with a non-finite loss or gradient
+    logprob_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    recompute: bool = False  # full activation recomputation
+    use_te: bool | None = None  # None: transformer-engine layers when importable on GPU
+
+    def __post_init__(self) -> None:
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"engine.nonfinite must be skip or raise, got {self.nonfinite!r}")
+        if self.max_tokens_per_microbatch < 1:
+            raise ValueError("engine.max_tokens_per_microbatch must be >= 1")
+
+
+@dataclass
+class ForwardResult:
+    """Per-sample, response-aligned outputs of a forward pass (identical on every rank)."""
+
+    logprobs: list[np.ndarray]
+    entropy: list[np.ndarray] | None = None
+    routes: list[np.ndarray] | None = None  # int16 [len-1, moe_layers, top_k]
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class TrainingEngine:
+    """Policy model chunks + optimizer for one parallel layout; called identically on all ranks."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        layout: ParallelLayout,
+        engine: EngineSettings | None = None,
+        optimizer: OptimizerSettings | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.layout = layout
+        self.settings = engine or EngineSettings()
+        self.optim_settings = optimizer or OptimizerSettings()
+        layout.check_model(
+            num_layers=model_config.num_hidden_layers,
+            num_attention_heads=model_config.num_attention_heads,
+            num_key_value_heads=model_config.num_key_value_heads,
+            num_experts=model_config.num_experts if model_config.is_moe else None,
+        )
+        self.config = transformer_config(model_config, layout, recompute=self.settings.recompute)
+        if model_config.is_moe:
+            self.config.moe_enable_routing_replay = True
+        chunks = build_model_chunks(
+            model_config, layout, config=self.config, use_te=self.settings.use_te
+        )
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.optim_settings.distributed_optimizer,
+        )
+        self.model = [
+            DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk)
+            for chunk in chunks
+        ]
+        self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)
+        self.scheduler = self._scheduler()
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.routes = RouteRecorder(self.model, self.config) if model_config.is_moe else None
+        self.steps_done = 0
+        self._tp_group = parallel_state.get_tensor_model_parallel_group()
+        self._cp_group = parallel_state.get_context_parallel_group()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _optimizer_config(self) -> OptimizerConfig:
+        s = self.optim_settings
+        dtype = self.config.params_dtype
+        return OptimizerConfig(
+            optimizer="adam",
+            lr=s.lr,
+            min_lr=s.min_lr,
+            weight_decay=s.weight_decay,
+            adam_beta1=s.adam_beta1,
+            adam_beta2=s.adam_beta2,
+            adam_eps=s.adam_eps,
+            clip_grad=s.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            params_dtype=dtype,
+            use_distributed_optimizer=s.distributed_optimizer,
+        )
+
+    def _scheduler(self) -> OptimizerParamScheduler:
+        s = self.optim_settings
+        decay_steps = s.decay_steps or max(1, s.warmup_steps) + 1
+        style = s.decay_style if s.decay_steps else "constant"
+        return OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if s.warmup_steps else s.lr,
+            max_lr=s.lr,
+            min_lr=s.min_lr,
+            lr_warmup_steps=s.warmup_steps,
+            lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
+            lr_decay_style=style,
+            start_wd=s.weight_decay,
+            end_wd=s.weight_decay,
+            wd_incr_steps=max(decay_steps, 1),
+            wd_incr_style="constant",
+        )
+
+    # -- public API -----------------------------------------------------------------------------
+
+    @property
+    def unwrapped_chunks(self) -> list[torch.nn.Module]:
+        return [m.module for m in self.model]
+
+    def forward(
+        self,
+        samples: Sequence[TrainSample],
+        *,
+        with_entropy: bool = False,
+        record_routes: bool = False,
+        replay_routes: bool = False,
+    ) -> ForwardResult:
+        """Per-token log-probs (and entropy) of the samples' responses; no gradients.
+
+        record_routes: also return each token's experts (routing replay R2). replay_routes:
+        route with the samples' `routed_experts` (R3: the rollout engine's routes).
+        """
+        validate_samples(samples, self.settings.max_sequence_length)
+        for m in self.model:
+            m.eval()
+        want_routes = record_routes and self.routes is not None
+        replay = replay_routes and self.routes is not None
+        outputs: list[dict] = []
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            lp, ent = vocab_parallel_logprobs(
+                logits,
+                mb.labels,
+                vocab_size=self.model_config.vocab_size,
+                tp_group=self._tp_group,
+                with_entropy=with_entropy,
+                chunk_bytes=self.settings.logprob_chunk_bytes,
+            )
+            out = {"indices": mb.indices, "logprobs": lp.detach()}
+            if ent is not None:
+                out["entropy"] = ent.detach()
+            return torch.zeros((), device=logits.device), torch.tensor(1), out
+
+        with torch.no_grad():
+            per_mb = self._run_schedule(
+                samples,
+                loss_fn,
+                forward_only=True,
+                token_advantages=False,
+                record_routes=want_routes,
+                replay_routes=replay,
+                route_sink=outputs,
+            )
+        for m in self.model:
+            m.train()
+        logprobs = self._collect_per_token(samples, per_mb, "logprobs")
+        entropy = self._collect_per_token(samples, per_mb, "entropy") if with_entropy else None
+        routes = self.routes.collect(samples, outputs) if want_routes else None
+        return ForwardResult(logprobs=logprobs, entropy=entropy, routes=routes)
+
+    def train_step(
+        self, samples: Sequence[TrainSample], loss: LossSettings, *, replay_routes: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step on `samples` (the whole minibatch, identical on every rank).
+
+        With `replay_routes`, MoE layers route with the samples' `routed_experts`; without it,
+        given routes are only compared with the current ones (moe/route_change_fraction).
+        """
+        validate_samples(samples, self.settings.max_sequence_length)
+        if any(s.old_logprobs is None for s in samples):
+            raise ValueError("train_step needs old_logprobs on every sample")
+        if loss.kl_coef and any(s.ref_logprobs is None for s in samples):
+            raise ValueError("algorithm.kl_coef > 0 needs reference log-probs on every sample")
+        token_adv = any(isinstance(s.advantage, list) for s in samples)
+        denominator = self._global_denominator(samples, loss)
+        dp_cp = self.layout.dp * self.layout.cp
+        seq_share = 1.0 / self.layout.cp
+        cp_sum = self._cp_sum if self.layout.cp > 1 else None
+        num_mb_holder: list[int] = []
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            lp, ent = vocab_parallel_logprobs(
+                logits,
+                mb.labels,
+                vocab_size=self.model_config.vocab_size,
+                tp_group=self._tp_group,
+                with_entropy=True,
+                chunk_bytes=self.settings.logprob_chunk_bytes,
+            )
+            extra = {}
+            if loss.kl_coef:
+                extra = {
+                    "ref_logprobs": mb.ref_logprobs,
+                    "kl_coef": loss.kl_coef,
+                    "kl_estimator": loss.kl_estimator,
+                }
+            terms = policy_loss_terms(
+                loss.name,
+                lp,
+                mb.old_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                seq_sum=cp_sum,
+                seq_share=torch.full((lp.shape[0],), seq_share),
+                **loss.hparams,
+                **extra,
+            )
+            scale = num_mb_holder[0] * dp_cp / denominator
+            logs = {key: value.detach().double() for key, value in terms.metric_sums.items()}
+            logs["loss_sum/sum"] = terms.loss_sum.detach().double()
+            logs["entropy/sum"] = (ent.detach() * mb.loss_mask).sum().double()
+            logs["entropy/count"] = mb.loss_mask.sum().double()
+            return terms.loss_sum * scale, torch.tensor(1), logs
+
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        per_mb = self._run_schedule(
+            samples,
+            loss_fn,
+            forward_only=False,
+            token_advantages=token_adv,
+            num_microbatches_out=num_mb_holder,
+            record_routes=not replay_routes and any(s.routed_experts is not None for s in samples),
+            replay_routes=replay_routes and self.routes is not None,
+        )
+        metrics = finalize_metrics(self._reduce_metric_sums(per_mb))
+        metrics["loss"] = metrics.pop("loss_sum") / denominator
+        finite = self._all_finite(metrics["loss"])
+        if not finite:
+            if self.settings.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"non-finite loss or gradient at optimizer step {self.steps_done + 1} "
+                    "(engine.nonfinite=raise); set engine.nonfinite=skip to skip such steps"
+                )
+            self.optimizer.zero_grad()
+            metrics.update(skipped=1.0, grad_norm=float("nan"), lr=self.current_lr())
+            return metrics
+        success, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.steps_done += 1
+        metrics.update(
+            skipped=0.0 if success else 1.0,
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=self.current_lr(),
+        )
+        if self.routes is not None:
+            metrics.update(self.routes.step_metrics())
+        return metrics
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- schedule plumbing -----------------------------------------------------------------------
+
+    def _microbatches(
+        self, samples: Sequence[TrainSample], token_advantages: bool
+    ) -> list[MicroBatch]:
+        dp_rank = parallel_state.get_data_parallel_rank()
+        mine = split_for_data_parallel(samples, self.layout.dp, dp_rank)
+        if not mine:
+            raise ValueError(
+                f"{len(samples)} sequences cannot feed {self.layout.dp} data-parallel ranks: each "
+                "optimizer step needs at least one sequence per data-parallel rank"
+            )
+        lengths = [samples[i].length for i in mine]
+        plan = plan_microbatches(
+            lengths, self.settings.max_tokens_per_microbatch, self.layout.sequence_multiple
+        )
+        plan = self._fit_interleaved_schedule(plan)
+        cp_rank = parallel_state.get_context_parallel_rank()
+        return [
+            build_microbatch(
+                samples,
+                [mine[j] for j in group],
+                multiple=self.layout.sequence_multiple,
+                pad_id=self.settings.pad_token_id,
+                cp_size=self.layout.cp,
+                cp_rank=cp_rank,
+                token_advantages=token_advantages,
+            )
+            for group in plan
+        ]
+
+    def _fit_interleaved_schedule(self, plan: list[list[int]]) -> list[list[int]]:
+        # The interleaved schedule needs the micro-batch count to be a multiple of pp.
+        if self.layout.vpp == 1:
+            return plan
+        plan = [list(g) for g in plan]
+        while len(plan) % self.layout.pp:
+            largest = max(range(len(plan)), key=lambda i: len(plan[i]))
+            if len(plan[largest]) < 2:
+                raise ValueError(
+                    f"interleaved pipeline (parallel.vpp={self.layout.vpp}) needs a multiple of "
+                    f"parallel.pp={self.layout.pp} micro-batches; this data-parallel rank has "
+                    f"only {sum(len(g) for g in plan)} sequences"
+                )
+            group = plan.pop(largest)
+            half = len(group) // 2
+            plan[largest:largest] = [group[:half], group[half:]]
+        return plan
+
+    def _run_schedule(
+        self,
+        samples: Sequence[TrainSample],
+        loss_fn: Callable[[MicroBatch, torch.Tensor], tuple],
+        *,
+        forward_only: bool,
+        token_advantages: bool,
+        num_microbatches_out: list[int] | None = None,
+        record_routes: bool = False,
+        replay_routes: bool = False,
+        route_sink: list | None = None,
+    ) -> list[dict]:
+        microbatches = self._microbatches(samples, token_advantages)
+        if num_microbatches_out is not None:
+            num_microbatches_out.append(len(microbatches))
+        routes = self.routes
+        if routes is not None:
+            routes.begin(record=record_routes, replay=replay_routes)
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+            mb = next(data_iterator)
+            vp_stage = getattr(model.module, "vp_stage", None) if hasattr(model, "module") else None
+            if routes is not None:
+                routes.before_forward(mb, vp_stage)
+            output = model(mb.tokens, mb.position_ids, None)
+            if routes is not None:
+                routes.after_forward(mb, vp_stage, route_sink)
+            return output, partial(loss_fn, mb)
+
+        iterators: Iterator | list[Iterator]
+        if self.layout.vpp > 1:
+            iterators = [iter(microbatches) for _ in range(self.layout.vpp)]
+        else:
+            iterators = iter(microbatches)
+        schedule = get_forward_backward_func()
+        try:
+            results = schedule(
+                forward_step_func=forward_step,
+                data_iterator=iterators,
+                model=self.model,
+                num_microbatches=len(microbatches),
+                seq_length=max(mb.tokens.shape[1] for mb in microbatches),
+                micro_batch_size=max(mb.tokens.shape[0] for mb in microbatches),
+                forward_only=forward_only,
+            )
+        finally:
+            if routes is not None:
+                routes.end()
+        return list(results)
+
+    def _global_denominator(self, samples: Sequence[TrainSample], loss: LossSettings) -> float:
+        """D of the normalisation contract over the whole minibatch (known before the forward)."""
+        if get_policy_loss(loss.name).denominator == "tokens":
+            total = sum(len(s.response_ids) for s in samples)
+        else:
+            total = sum(1 for s in samples if s.response_ids)
+        return float(max(total, 1))
+
+    def _cp_sum(self, partial_sums: torch.Tensor) -> torch.Tensor:
+        return _AllReduceSum.apply(partial_sums, self._cp_group)
+
+    def _all_finite(self, loss_value: float) -> bool:
+        local = math.isfinite(loss_value)
+        if local:
+            for m in self.model:
+                for buffer in list(m.buffers) + list(m.expert_parallel_buffers):
+                    if not torch.isfinite(buffer.grad_data.sum()):
+                        local = False
+                        break
+        flag = torch.tensor([0.0 if local else 1.0])
+        dist.all_reduce(flag)
+        return flag.item() == 0.0
+
+    # -- gathering results ---------------------------------------------------------------------
+
+    def _reduce_metric_sums(self, per_mb: list[dict]) -> dict[str, float]:
+        """Combine micro-batch metric sums over micro-batches and DP x CP ranks, per key's op.
+
+        TP ranks hold identical values and are not summed; pipeline ranks other than the last
+        receive the result.
+        """
+        result: dict[str, float] = {}
+        if self._is_last_stage():
+            keys = sorted(per_mb[0].keys())
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            for op, torch_op, combine in (
+                ("sum", dist.ReduceOp.SUM, sum),
+                ("max", dist.ReduceOp.MAX, max),
+                ("min", dist.ReduceOp.MIN, min),
+            ):
+                op_keys = [k for k in keys if metric_reduce_op(k) == op]
+                if not op_keys:
+                    continue
+                local = torch.tensor(
+                    [combine(float(d[k]) for d in per_mb) for k in op_keys], dtype=torch.float64
+                )
+                dist.all_reduce(local, op=torch_op, group=group)
+                result.update(zip(op_keys, local.tolist(), strict=True))
+        return self._broadcast_from_last_stage(result)
+
+    def _is_last_stage(self) -> bool:
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+    def _broadcast_from_last_stage(self, obj):
+        if self.layout.pp == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(
+            box,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return box[0]
+
+    def _collect_per_token(
+        self, samples: Sequence[TrainSample], per_mb: list[dict], key: str
+    ) -> list[np.ndarray]:
+        """Response-aligned per-token values for every sample, on every rank."""
+        local: dict[int, np.ndarray] = {}
+        for out in per_mb:
+            values = self._gather_cp(out[key])
+            for row, index in enumerate(out["indices"]):
+                s = samples[index]
+                start = len(s.prompt_ids) - 1
+                local[index] = values[row, start : start + len(s.response_ids)].numpy().copy()
+        gathered: list = [None] * self.layout.dp
+        dist.all_gather_object(
+            gathered, local, group=parallel_state.get_data_parallel_group()
+        )
+        merged: dict[int, np.ndarray] = {}
+        for part in gathered:
+            merged.update(part)
+        merged = self._broadcast_from_last_stage(merged)
+        return [merged[i] for i in range(len(samples))]
+
+    def _gather_cp(self, values: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp] in this rank's zigzag order -> [b, s] in sequence order."""
+        cp = self.layout.cp
+        if cp == 1:
+            return values.float()
+        parts = [torch.empty_like(values) for _ in range(cp)]
+        dist.all_gather(parts, values.contiguous(), group=self._cp_group)
+        full_len = values.shape[1] * cp
+        out = torch.empty(values.shape[0], full_len, dtype=values.dtype)
+        for rank, part in enumerate(parts):
+            out[:, cp_index(full_len, cp, rank)] = part
+        return out.float()
+
+    # -- state --------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def eval_mode(self):
+        for m in self.model:
+            m.eval()
+        try:
+            yield
+        finally:
+            for m in self.model:
+                m.train()
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a group in the forward; the backward sums the output gradients the same way.
+
+    Every rank's copy of the sum feeds its own loss, so the gradient reaching each rank's input
+    is the sum of all ranks' output gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

@@ -1,0 +1,130 @@
+"""Per-token log-probs and entropy from vocabulary-parallel logits.
+
+Each tensor-parallel rank holds logits for a slice of the vocabulary. The log-softmax needs the
+global max and sum of exponentials, so they are all-reduced over TP; the vocabulary is never
+gathered. Work is done in float32 (whatever the logits' dtype) over chunks of tokens, so the
+float32 temporaries stay a small, bounded fraction of the logits; the backward pass recomputes
+the softmax per chunk from the saved log-normaliser. megatron's vocab_parallel_cross_entropy is
+not used: it materialises float32 logits, has no entropy, and its label-smoothing path is wrong
+under TP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        logits: torch.Tensor,  # [N, V_local]
+        targets: torch.Tensor,  # [N]
+        vocab_start: int,
+        valid_local: int,
+        group,
+        chunk_tokens: int,
+        with_entropy: bool,
+    ):
+        n = logits.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse_all = torch.empty(n, dtype=torch.float32, device=logits.device)
+        mean_z_all = torch.empty(n, dtype=torch.float32, device=logits.device)
+        local_targets = targets - vocab_start
+        in_shard = (local_targets >= 0) & (local_targets < valid_local)
+        local_targets = torch.where(in_shard, local_targets, torch.zeros_like(local_targets))
+        for start in range(0, n, chunk_tokens):
+            end = min(start + chunk_tokens, n)
+            z = logits[start:end, :valid_local].float()
+            if valid_local:
+                zmax = z.max(dim=-1).values
+            else:  # this rank holds only vocabulary padding
+                zmax = torch.full((end - start,), -torch.inf, device=z.device)
+            if group is not None:
+                dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+            exp = torch.exp(z - zmax[:, None])
+            if valid_local:
+                target_logit = z.gather(1, local_targets[start:end, None]).squeeze(1)
+                target_logit = torch.where(in_shard[start:end], target_logit, 0.0)
+            else:
+                target_logit = torch.zeros(end - start, device=z.device)
+            parts = [exp.sum(-1), target_logit]
+            if with_entropy:
+                parts.append((exp * z).sum(-1))
+            sums = torch.stack(parts)
+            if group is not None:
+                dist.all_reduce(sums, group=group)
+            lse = zmax + torch.log(sums[0])
+            logprobs[start:end] = sums[1] - lse
+            lse_all[start:end] = lse
+            if with_entropy:
+                mean_z = sums[2] / sums[0]
+                mean_z_all[start:end] = mean_z
+                entropy[start:end] = lse - mean_z
+            del z, exp
+        ctx.save_for_backward(logits, local_targets, in_shard, lse_all, mean_z_all)
+        ctx.valid_local = valid_local
+        ctx.chunk_tokens = chunk_tokens
+        ctx.with_entropy = with_entropy
+        ctx.mark_non_differentiable(lse_all)
+        return logprobs, entropy if with_entropy else None
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local_targets, in_shard, lse_all, mean_z_all = ctx.saved_tensors
+        valid = ctx.valid_local
+        grad_logits = torch.zeros_like(logits)
+        n = logits.shape[0]
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        for start in range(0, n, ctx.chunk_tokens):
+            end = min(start + ctx.chunk_tokens, n)
+            z = logits[start:end, :valid].float()
+            p = torch.exp(z - lse_all[start:end, None])
+            g_lp = grad_logprobs[start:end, None]
+            # d logprob_t / dz = onehot(t) - p
+            grad = -p * g_lp
+            if use_entropy:
+                # d H / dz = -p * (z - E_p[z])
+                grad -= p * (z - mean_z_all[start:end, None]) * grad_entropy[start:end, None]
+            rows = torch.nonzero(in_shard[start:end]).squeeze(1)
+            grad[rows, local_targets[start:end][rows]] += g_lp[rows, 0]
+            grad_logits[start:end, :valid] = grad.to(grad_logits.dtype)
+            del z, p, grad
+        return grad_logits, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_size: int,
+    tp_group=None,
+    with_entropy: bool = True,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `targets` and the entropy of the full distribution, per token, in float32.
+
+    logits: [..., V_local], this TP rank's contiguous slice of the (padded) vocabulary.
+    targets: [...] token ids in the global vocabulary. vocab_size: the real vocabulary size;
+    rows of the padded vocabulary beyond it are left out of the softmax.
+    """
+    v_local = logits.shape[-1]
+    rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    world = dist.get_world_size(tp_group) if tp_group is not None else 1
+    group = tp_group if world > 1 else None
+    vocab_start = rank * v_local
+    valid_local = max(0, min(v_local, vocab_size - vocab_start))
+    lead_shape = logits.shape[:-1]
+    flat = logits.reshape(-1, v_local)
+    chunk_tokens = max(1, chunk_bytes // (4 * max(v_local, 1) * 3))
+    logprobs, entropy = _VocabParallelLogProbs.apply(
+        flat, targets.reshape(-1), vocab_start, valid_local, group, chunk_tokens, with_entropy
+    )
+    logprobs = logprobs.reshape(lead_shape)
+    return logprobs, entropy.reshape(lead_shape) if entropy is not None else None

@@ -1,0 +1,202 @@
+"""Build the Qwen3 / Qwen3-MoE policy as megatron-core GPTModel chunks for a parallel layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+from gspo_megatron.megatron.attention import LocalCoreAttention
+from gspo_megatron.megatron.cpu_compat import cuda_available
+from gspo_megatron.megatron.layout import ParallelLayout
+from gspo_megatron.megatron.model_config import ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_engine_available() -> bool:
+    return cuda_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(
+    model: ModelConfig, layout: ParallelLayout, *, recompute: bool = False
+) -> TransformerConfig:
+    """megatron's TransformerConfig for a Qwen3(-MoE) model on a layout."""
+    dtype = _DTYPES[model.params_dtype]
+    on_gpu = cuda_available()
+    kwargs = dict(
+        num_layers=model.num_hidden_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_key_value_heads,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.intermediate_size or 4 * model.hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,  # SwiGLU
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        pipeline_dtype=dtype,
+        # Micro-batches differ in padded length; the pipeline communicates shapes first.
+        variable_seq_lengths=True,
+        # Weights are drawn on CPU as full tensors and then split, so a model initialised from
+        # the same seed has the same weights on every TP/EP layout.
+        use_cpu_initialization=True,
+        # Fusions that need CUDA kernels (apex / TE / triton).
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+    )
+    if model.is_moe:
+        kwargs.update(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.num_experts_per_tok,
+            moe_ffn_hidden_size=model.moe_intermediate_size,
+            # Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob.
+            # megatron's pre_softmax=False (top-k of logits, softmax over the k) is the same
+            # renormalised distribution; pre_softmax=True keeps the unnormalised top-k.
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not model.norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=model.router_aux_loss_coef,
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=transformer_engine_available(),
+            moe_permute_fusion=False,
+        )
+    if on_gpu:
+        kwargs.update(use_cpu_initialization=False, bias_dropout_fusion=True)
+    return TransformerConfig(**kwargs)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm with megatron's norm constructor, usable with sequence parallelism.
+
+    megatron's torch-native norm wrapper refuses sequence parallelism; with SP each TP rank
+    normalises a different slice of the sequence, so the weight is tagged for megatron to sum
+    its gradient over TP.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(model: ModelConfig, *, use_te: bool | None = None) -> ModuleSpec:
+    """The decoder layer spec; checkpoint keys are those of the transformer-engine spec.
+
+    Local spec, MoE layers: megatron maps the pre-MLP norm to `mlp.linear_fc1.layer_norm_*`
+    (TE's fused name for dense MLPs), but the TE spec keeps MoE layers' norm at
+    `pre_mlp_layernorm.*`. We drop that mapping so one checkpoint loads on both.
+    """
+    if use_te is None:
+        use_te = transformer_engine_available()
+    num_experts = model.num_experts if model.is_moe else None
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=model.is_moe, qk_layernorm=True
+        )
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts, qk_layernorm=True, normalization="RMSNorm"
+    )
+    submodules = dataclasses.replace(
+        spec.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm
+    )
+    keys_map = dict(submodules.sharded_state_dict_keys_map)
+    if model.is_moe:
+        keys_map.pop("pre_mlp_layernorm.", None)
+    attention = submodules.self_attention
+    attention = dataclasses.replace(
+        attention,
+        submodules=dataclasses.replace(
+            attention.submodules,
+            core_attention=LocalCoreAttention,
+            q_layernorm=RMSNorm,
+            k_layernorm=RMSNorm,
+        ),
+    )
+    return dataclasses.replace(
+        spec,
+        submodules=dataclasses.replace(
+            submodules, self_attention=attention, sharded_state_dict_keys_map=keys_map
+        ),
+    )
+
+
+def build_model_chunks(
+    model: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    config: TransformerConfig | None = None,
+    use_te: bool | None = None,
+) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), parallel state initialised.
+
+    """
+    config = config or transformer_config(model, layout)
+    if use_te is None:
+        use_te = transformer_engine_available()
+    spec = layer_spec(model, use_te=use_te)
+    vpp = layout.vpp
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    chunks = []
+    for stage in range(vpp):
+        vp_stage = stage if vpp > 1 else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        block_spec = spec
+        if not use_te:
+            num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+            block_spec = TransformerBlockSubmodules(
+                layer_specs=[spec] * num_layers, layer_norm=RMSNorm
+            )
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec,
+            vocab_size=model.padded_vocab_size(tp),
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(model.rope_theta),
+            parallel_output=True,
+            vp_stage=vp_stage,
+        )
+        chunks.append(chunk)
+    return chunks

@@ -1,0 +1,74 @@
+"""Process groups and megatron's parallel state from a ParallelLayout."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from gspo_megatron.megatron.cpu_compat import cuda_available
+from gspo_megatron.megatron.layout import LayoutError, ParallelLayout
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize(layout: ParallelLayout, seed: int, *, timeout_s: float = 600.0) -> None:
+    """Start torch.distributed (NCCL on GPU, gloo on CPU) and megatron's parallel groups.
+
+    A single process without torchrun gets a one-rank group on a free local port.
+    """
+    world = world_size_from_env()
+    if layout.world_size != world:
+        raise LayoutError(
+            f"the layout was validated for {layout.world_size} processes but WORLD_SIZE={world}"
+        )
+    if not dist.is_initialized():
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        rank = int(os.environ.get("RANK", "0"))
+        if cuda_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if cuda_available() else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+        )
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch's generators and megatron's RNG tracker (TP/EP-aware streams)."""
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,197 @@
+"""Routing Replay for MoE policies, on megatron-core's RouterReplay.
+
+R2: record each token's top-k experts during the old-policy forward and replay them in the
+training forward. R3: replay the routes the rollout engine reports (SGLang's
+[tokens, layers, top_k]). Routes travel with each sample as int16 [len-1, num_layers, top_k]
+in global token order; this module cuts them into what each router sees (CP zigzag chunk, SP
+slice, [s, b] token order) and reassembles recorded ones. While replaying, each router also
+computes its own top-k, so the fraction of tokens whose expert set changed between the old and
+the current policy is measured with and without replay.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+from gspo_megatron.megatron.batch import MicroBatch, TrainSample, cp_index
+
+
+class RouteRecorder:
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], config) -> None:
+        self.topk = config.moe_router_topk
+        self.num_layers = config.num_layers
+        self.sequence_parallel = config.sequence_parallel
+        # vp_stage (None without virtual pipeline) -> [(global layer index, RouterReplay)]
+        self.routers: dict[int | None, list] = {}
+        for stage, chunk in enumerate(model_chunks):
+            key = stage if len(model_chunks) > 1 else None
+            found = []
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter) and module.router_replay is not None:
+                    replay = module.router_replay
+                    self._instrument(replay)
+                    found.append((module.layer_number - 1, replay))
+            self.routers[key] = sorted(found, key=lambda item: item[0])
+        self.mode = "off"
+        self.changed = 0
+        self.total = 0
+        self._valid: torch.Tensor | None = None
+
+    # -- per schedule ------------------------------------------------------------------------
+
+    def begin(self, *, record: bool, replay: bool) -> None:
+        """record: keep each forward's natural routes; replay: force mb.routed_experts."""
+        self.mode = "replay" if replay else ("record" if record else "off")
+        action = {
+            "replay": RouterReplayAction.REPLAY_FORWARD,
+            "record": RouterReplayAction.RECORD,
+            "off": None,
+        }[self.mode]
+        for routers in self.routers.values():
+            for _, replay_obj in routers:
+                replay_obj.clear_indices()
+                replay_obj.router_replay_action = action
+
+    def end(self) -> None:
+        for routers in self.routers.values():
+            for _, replay_obj in routers:
+                replay_obj.clear_indices()
+                replay_obj.router_replay_action = None
+        self.mode = "off"
+
+    def before_forward(self, mb: MicroBatch, vp_stage: int | None) -> None:
+        self._valid = self._router_view(~mb.padding_mask)
+        if self.mode != "replay":
+            return
+        if mb.routed_experts is None:
+            raise ValueError("routing replay is on but the micro-batch carries no routes")
+        for layer, replay_obj in self.routers.get(vp_stage, []):
+            target = self._router_view(mb.routed_experts[:, :, layer, :].long())
+            replay_obj.target_topk_idx = target
+            replay_obj.replay_backward_list = [target]
+
+    def after_forward(self, mb: MicroBatch, vp_stage: int | None, sink: list | None) -> None:
+        if self.mode != "record" or (sink is None and mb.routed_experts is None):
+            return
+        layers, recorded = [], []
+        for layer, replay_obj in self.routers.get(vp_stage, []):
+            routes = replay_obj.recorded_topk_idx
+            layers.append(layer)
+            recorded.append(self._from_router_view(routes, mb.tokens.shape))
+            if mb.routed_experts is not None:
+                old = mb.routed_experts[:, :, layer, :]
+                self._count_changes(recorded[-1], old, ~mb.padding_mask)
+        if sink is not None and layers:
+            sink.append(
+                {
+                    "indices": mb.indices,
+                    "layers": layers,
+                    "routes": torch.stack(recorded, dim=2).to(torch.int16),
+                }
+            )
+
+    def step_metrics(self) -> dict[str, float]:
+        counts = torch.tensor([float(self.changed), float(self.total)], dtype=torch.float64)
+        dist.all_reduce(counts)
+        self.changed = self.total = 0
+        if counts[1] == 0:
+            return {}
+        return {"moe/route_change_fraction": float(counts[0] / counts[1])}
+
+    # -- assembling recorded routes ---------------------------------------------------------
+
+    def collect(self, samples: Sequence[TrainSample], outputs: list[dict]) -> list[np.ndarray]:
+        """Recorded routes per sample, int16 [len-1, num_layers, top_k], identical on all ranks."""
+        cp = parallel_state.get_context_parallel_world_size()
+        cp_group = parallel_state.get_context_parallel_group()
+        local: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
+        for out in outputs:
+            routes = out["routes"]  # [b, s/cp, L_local, k]
+            if cp > 1:
+                parts = [torch.empty_like(routes) for _ in range(cp)]
+                dist.all_gather(parts, routes.contiguous(), group=cp_group)
+                full = routes.shape[1] * cp
+                merged = torch.empty((routes.shape[0], full) + tuple(routes.shape[2:]),
+                                     dtype=routes.dtype)
+                for rank, part in enumerate(parts):
+                    merged[:, cp_index(full, cp, rank)] = part
+                routes = merged
+            for row, index in enumerate(out["indices"]):
+                n = samples[index].length - 1
+                for j, layer in enumerate(out["layers"]):
+                    local[index][layer] = routes[row, :n, j].numpy().copy()
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, dict(local))
+        by_sample: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
+        for part in gathered:
+            for index, layers in part.items():
+                by_sample[index].update(layers)
+        result = []
+        for i in range(len(samples)):
+            layers = by_sample[i]
+            if len(layers) != self.num_layers:
+                raise RuntimeError(f"routes of sample {i} cover {len(layers)} of "
+                                   f"{self.num_layers} layers")
+            result.append(np.stack([layers[layer] for layer in range(self.num_layers)], axis=1))
+        return result
+
+    # -- router token order ----------------------------------------------------------------------
+
+    def _router_view(self, values: torch.Tensor) -> torch.Tensor:
+        """[b, s_cp, ...] -> the router's flattened [s_local * b, ...] (SP slice, s-major)."""
+        values = values.transpose(0, 1)
+        if self.sequence_parallel:
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            length = values.shape[0] // tp
+            values = values[rank * length : (rank + 1) * length]
+        return values.reshape((-1,) + tuple(values.shape[2:])).contiguous()
+
+    def _from_router_view(self, routes: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The router's [s_local * b, k] -> [b, s_cp, k], gathering SP slices over TP."""
+        b, s_cp = shape
+        if self.sequence_parallel:
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            parts = [torch.empty_like(routes) for _ in range(tp)]
+            dist.all_gather(
+                parts, routes.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+            )
+            routes = torch.cat(parts, dim=0)
+        return routes.reshape(s_cp, b, -1).transpose(0, 1)
+
+    def _count_changes(
+        self, new: torch.Tensor, old: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        same = torch.sort(new, dim=-1).values == torch.sort(old.to(new.dtype), dim=-1).values
+        changed = ~same.all(dim=-1) & valid
+        self.changed += int(changed.sum())
+        self.total += int(valid.sum())
+
+    def _instrument(self, replay_obj) -> None:
+        """While replaying, also compute the router's own top-k to count route changes."""
+        recorder = self
+        original = replay_obj.get_replay_topk
+
+        def get_replay_topk(obj, scores, topk, num_groups=None, group_topk=None,
+                            default_compute_topk=None):
+            if obj.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                _, natural = default_compute_topk(
+                    scores, topk, num_groups=num_groups, group_topk=group_topk
+                )
+                target = obj.target_topk_idx.to(natural.device)
+                valid = recorder._valid if recorder._valid is not None else torch.ones(
+                    natural.shape[0], dtype=torch.bool
+                )
+                recorder._count_changes(natural, target, valid)
+            return original(scores, topk, num_groups, group_topk, default_compute_topk)
+
+        replay_obj.get_replay_topk = types.MethodType(get_replay_topk, replay_obj)
