@@ -1,1 +1,59 @@
-"""algorithms"""
+"""The GSPO family in pure PyTorch (no Megatron import): policy losses as per-item terms over a
+global denominator, group advantages, KL estimators, train/rollout mismatch corrections, DAPO /
+DUPO batch pieces and metrics. See docs/ALGORITHMS.md for the formulas and defaults."""
+
+from .advantages import ADVANTAGE_ESTIMATORS, group_advantages, token_advantages
+from .kl import KL_ESTIMATORS, kl_estimate
+from .losses import (
+    LOG_RATIO_CLAMP,
+    POLICY_LOSSES,
+    LossTerms,
+    PolicyLossSpec,
+    denominator_count,
+    get_policy_loss,
+    policy_loss,
+    policy_loss_terms,
+    sapo_gate,
+    sum_loss_terms,
+)
+from .metrics import finalize_metrics, merge_metric_sums, metric_reduce_op, rollout_metrics
+from .mismatch import MISMATCH_MODES, MismatchCorrection, correct_mismatch
+from .sampling import (
+    dapo_keep_indices,
+    dupo_fill_indices,
+    informative_groups,
+    overlong_filter_mask,
+    prefilter_solved_prompts,
+    soft_overlong_penalty,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
+    "MISMATCH_MODES",
+    "POLICY_LOSSES",
+    "LossTerms",
+    "MismatchCorrection",
+    "PolicyLossSpec",
+    "correct_mismatch",
+    "dapo_keep_indices",
+    "denominator_count",
+    "dupo_fill_indices",
+    "finalize_metrics",
+    "get_policy_loss",
+    "group_advantages",
+    "informative_groups",
+    "kl_estimate",
+    "merge_metric_sums",
+    "metric_reduce_op",
+    "overlong_filter_mask",
+    "policy_loss",
+    "policy_loss_terms",
+    "prefilter_solved_prompts",
+    "rollout_metrics",
+    "sapo_gate",
+    "soft_overlong_penalty",
+    "sum_loss_terms",
+    "token_advantages",
+]
