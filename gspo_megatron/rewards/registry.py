@@ -1,0 +1,132 @@
+"""Rewards by name, for config selection (`reward.name=math reward.kwargs.answer_format=boxed`).
+
+`build_reward(name, **kwargs)` accepts a registered name or "package.module:attribute" for a
+user's own reward; an attribute that is a class is instantiated with kwargs, a plain function
+is returned as is (kwargs must then be empty).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo_megatron.rewards.base import RewardFn
+from gspo_megatron.rewards.basic import ExactMatchReward, FormatReward
+from gspo_megatron.rewards.math_reward import MathVerifyReward
+from gspo_megatron.rewards.scorer import EXECUTORS, RewardScorer
+from gspo_megatron.rewards.synthetic import SyntheticReward
+
+REWARDS: dict[str, Callable[..., RewardFn]] = {}
+
+
+def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
+    """Decorator: register a reward factory (a class or a function returning a reward)."""
+
+    def deco(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
+        if name in REWARDS and REWARDS[name] is not factory:
+            raise ValueError(f"reward {name!r} is already registered to {REWARDS[name]!r}")
+        REWARDS[name] = factory
+        return factory
+
+    return deco
+
+
+def _remote(**kwargs: Any) -> RewardFn:
+    from gspo_megatron.rewards.remote import RemoteReward  # aiohttp only when used
+
+    return RemoteReward(**kwargs)
+
+
+register_reward("math")(MathVerifyReward)
+register_reward("exact_match")(ExactMatchReward)
+register_reward("format")(FormatReward)
+register_reward("synthetic")(SyntheticReward)
+register_reward("remote")(_remote)
+
+
+def _import_attr(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"reward.name={spec!r}: cannot import module {module_name!r}: {exc}"
+        ) from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"reward.name={spec!r}: module {module_name!r} has no {attr!r}") from None
+
+
+def build_reward(name: str, **kwargs: Any) -> RewardFn:
+    """The reward function for `name` (registered, or "module:attribute")."""
+    if ":" in name:
+        target = _import_attr(name)
+        if inspect.isclass(target):
+            return target(**kwargs)
+        if kwargs:
+            raise ValueError(
+                f"reward.name={name!r} is a function; reward.kwargs must be empty, got "
+                f"{sorted(kwargs)}"
+            )
+        return target
+    if name not in REWARDS:
+        raise ValueError(
+            f"unknown reward.name={name!r}; choose one of {sorted(REWARDS)} or give "
+            "'package.module:function'"
+        )
+    try:
+        return REWARDS[name](**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"reward.kwargs do not fit reward {name!r}: {exc}") from None
+
+
+@dataclass
+class RewardConfig:
+    """The `reward` config group.
+
+    name: registered reward (math, exact_match, format, synthetic, remote) or "module:function".
+    kwargs: arguments of that reward (e.g. answer_format for math, url for remote).
+    timeout_s: limit for one reward call; a call past it gives 0 and counts as a timeout.
+    max_concurrency: calls in flight at once (= worker processes for the process executor).
+    executor: auto | inline | thread | process (see gspo_megatron.rewards.scorer).
+    """
+
+    name: str = "synthetic"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 10.0
+    max_concurrency: int = 4
+    executor: str = "auto"
+
+    def validate(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"reward.max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"reward.executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if ":" not in self.name and self.name not in REWARDS:
+            raise ValueError(
+                f"unknown reward.name={self.name!r}; choose one of {sorted(REWARDS)} or give "
+                "'package.module:function'"
+            )
+
+
+def build_scorer(cfg: RewardConfig) -> RewardScorer:
+    """The scorer for a reward config (call `close()` on it when done)."""
+    cfg.validate()
+    kwargs: Any = cfg.kwargs
+    if not isinstance(kwargs, dict):  # an OmegaConf DictConfig
+        from omegaconf import OmegaConf
+
+        kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    fn = build_reward(cfg.name, **kwargs)
+    return RewardScorer(
+        fn,
+        timeout_s=cfg.timeout_s,
+        max_concurrency=cfg.max_concurrency,
+        executor=cfg.executor,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,164 @@
+"""Synthetic verifiable tasks a tiny, randomly initialised model can learn on CPU with RL.
+
+Each task makes (prompt, target) pairs of digit strings with short prompts for the character
+tokenizer (`gspo_megatron.data.tokenizer`):
+
+    copy     "copy:4071="  -> "4071"
+    reverse  "rev:4071="   -> "1704"
+    sort     "sort:4071="  -> "0147"
+    add      "35+807="     -> "842"     ("248" with reverse_answer=True: least significant first)
+
+`min_digits` / `max_digits` set the difficulty (digits of the string; of each operand for add).
+The reward gives partial credit per position:
+
+    partial_credit(r, t) = #{i : r[i] == t[i]} / max(len(r), len(t))
+
+after stripping surrounding whitespace from the response. It lies in [0, 1] and equals 1 only
+for an exact solve, so accuracy (reward >= 1) counts exact solves. A response that is too long
+or too short loses credit for every missing or extra position.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+DIGITS = "0123456789"
+
+
+def partial_credit(response: str, target: str) -> float:
+    """Fraction of positions where response and target agree, over the longer length."""
+    response = response.strip()
+    longest = max(len(response), len(target))
+    if longest == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(response, target, strict=False)) / longest
+
+
+def exact_solve(response: str, target: str) -> bool:
+    return response.strip() == target
+
+
+def _digit_string(rng: random.Random, min_digits: int, max_digits: int) -> str:
+    n = rng.randint(min_digits, max_digits)
+    return "".join(rng.choice(DIGITS) for _ in range(n))
+
+
+def _check_range(name: str, min_digits: int, max_digits: int) -> None:
+    if not 1 <= min_digits <= max_digits:
+        raise ValueError(
+            f"synthetic task {name}: need 1 <= min_digits <= max_digits, got "
+            f"min_digits={min_digits}, max_digits={max_digits}"
+        )
+
+
+@dataclass(frozen=True)
+class SyntheticTask:
+    """Base: a digit-string transformation with a length knob."""
+
+    name: ClassVar[str] = ""
+    min_digits: int = 2
+    max_digits: int = 6
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        _check_range(self.name, self.min_digits, self.max_digits)
+
+    def transform(self, digits: str) -> str:
+        raise NotImplementedError
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        """One (prompt, target) pair drawn from `rng`."""
+        digits = _digit_string(rng, self.min_digits, self.max_digits)
+        return f"{self.prefix}{digits}=", self.transform(digits)
+
+    def max_prompt_chars(self) -> int:
+        return len(self.prefix) + self.max_digits + 1
+
+    def max_target_chars(self) -> int:
+        return self.max_digits
+
+
+@dataclass(frozen=True)
+class CopyTask(SyntheticTask):
+    name: ClassVar[str] = "copy"
+    prefix: str = "copy:"
+
+    def transform(self, digits: str) -> str:
+        return digits
+
+
+@dataclass(frozen=True)
+class ReverseTask(SyntheticTask):
+    name: ClassVar[str] = "reverse"
+    prefix: str = "rev:"
+
+    def transform(self, digits: str) -> str:
+        return digits[::-1]
+
+
+@dataclass(frozen=True)
+class SortTask(SyntheticTask):
+    name: ClassVar[str] = "sort"
+    prefix: str = "sort:"
+
+    def transform(self, digits: str) -> str:
+        return "".join(sorted(digits))
+
+
+@dataclass(frozen=True)
+class AddTask(SyntheticTask):
+    """a + b with each operand of min_digits..max_digits digits (no leading zeros)."""
+
+    name: ClassVar[str] = "add"
+    min_digits: int = 1
+    max_digits: int = 2
+    reverse_answer: bool = False
+
+    def _operand(self, rng: random.Random) -> int:
+        n = rng.randint(self.min_digits, self.max_digits)
+        return rng.randint(0 if n == 1 else 10 ** (n - 1), 10**n - 1)
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        a, b = self._operand(rng), self._operand(rng)
+        answer = str(a + b)
+        return f"{self.prefix}{a}+{b}=", answer[::-1] if self.reverse_answer else answer
+
+    def max_prompt_chars(self) -> int:
+        return len(self.prefix) + 2 * self.max_digits + 2
+
+    def max_target_chars(self) -> int:
+        return self.max_digits + 1
+
+
+SYNTHETIC_TASKS: dict[str, type[SyntheticTask]] = {
+    t.name: t for t in (CopyTask, ReverseTask, SortTask, AddTask)
+}
+
+
+def make_task(name: str, **kwargs: Any) -> SyntheticTask:
+    """A task by name: copy, reverse, sort, add (kwargs: min_digits, max_digits, ...)."""
+    if name not in SYNTHETIC_TASKS:
+        raise ValueError(
+            f"unknown synthetic task {name!r}; choose one of {sorted(SYNTHETIC_TASKS)}"
+        )
+    return SYNTHETIC_TASKS[name](**kwargs)
+
+
+class SyntheticReward:
+    """Per-position partial credit against the label (the target string); 1.0 = exact solve.
+
+    With `partial=False` the reward is 1 for an exact solve and 0 otherwise.
+    """
+
+    inline_safe = True
+
+    def __init__(self, partial: bool = True) -> None:
+        self.partial = partial
+
+    def __call__(self, prompt: str, response: str, label: Any) -> float:
+        target = str(label)
+        if self.partial:
+            return partial_credit(response, target)
+        return float(exact_solve(response, target))

@@ -1,0 +1,85 @@
+"""The character tokenizer: ids, specials, save/load, chat template; vocabulary checks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from gspo_megatron.data import (
+    Prompt,
+    VocabMismatchError,
+    build_char_tokenizer,
+    check_prompt_ids,
+    check_vocab,
+    load_tokenizer,
+)
+from gspo_megatron.data.tokenizer import DEFAULT_CHARS
+from gspo_megatron.rewards import SYNTHETIC_TASKS, make_task
+
+
+def test_ids_specials_and_decoding():
+    tok = build_char_tokenizer()
+    assert len(tok) == 4 + len(DEFAULT_CHARS) == 48
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    ids = tok("rev:1234=").input_ids
+    # <bos>, then one id per character: digits 4..13, letters 14..39, then " +-=:,.\n" 40..47
+    assert ids == [1, 14 + 17, 14 + 4, 14 + 21, 44, 5, 6, 7, 8, 43]
+    assert tok.convert_ids_to_tokens(ids)[1:] == list("rev:1234=")
+    assert tok.decode(ids, skip_special_tokens=True) == "rev:1234="
+    # a response ending in the stop token, then padding
+    assert tok.decode([8, 7, 6, 5, 2, 0, 0], skip_special_tokens=True) == "4321"
+    assert tok("A!*").input_ids == [1, 3, 3, 3]  # characters outside the vocabulary -> <unk>
+    assert tok("a  b").input_ids[1:] == [14, 40, 40, 15]  # spaces are kept, one token each
+
+
+def test_save_pretrained_round_trip(tmp_path):
+    tok = build_char_tokenizer()
+    tok.save_pretrained(tmp_path)
+    for loaded in (AutoTokenizer.from_pretrained(tmp_path), load_tokenizer(str(tmp_path))):
+        assert loaded.get_vocab() == tok.get_vocab()
+        assert loaded("sort:3141=").input_ids == tok("sort:3141=").input_ids
+        assert loaded.eos_token == "<eos>" and loaded.pad_token_id == 0
+        assert loaded.chat_template == tok.chat_template
+
+
+def test_chat_template():
+    tok = build_char_tokenizer()
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "12+34="}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<bos>12+34="
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}],
+        tokenize=False,
+    )
+    assert text == "<bos>1+1=2<eos>"
+    assert build_char_tokenizer(chat_template=None).chat_template is None
+    with pytest.raises(ValueError, match="duplicate"):
+        build_char_tokenizer(chars="0120")
+
+
+@pytest.mark.parametrize("name", sorted(SYNTHETIC_TASKS))
+def test_default_synthetic_tasks_fit_the_tiny_model(name):
+    # prompt (with <bos>) + response + <eos> stays within 32 tokens, with no unknown characters
+    task = make_task(name, max_digits=8 if name != "add" else 4)
+    tok = build_char_tokenizer()
+    rng = random.Random(0)
+    for _ in range(50):
+        prompt, target = task.sample(rng)
+        ids = tok(prompt).input_ids
+        assert tok.unk_token_id not in ids
+        assert len(ids) + len(target) + 1 <= 32
+
+
+def test_vocab_checks():
+    tok = build_char_tokenizer()
+    check_vocab(tok, 48)
+    check_vocab(tok, 64)  # a padded model vocabulary is fine
+    with pytest.raises(VocabMismatchError, match="largest id 47.*vocabulary of 40"):
+        check_vocab(tok, 40)
+    good = [Prompt(0, [1, 5, 6], "12"), Prompt(1, [1, 47], "\n")]
+    check_prompt_ids(good, 48)
+    with pytest.raises(VocabMismatchError, match="prompt 1 has token id 47"):
+        check_prompt_ids(good, 47)
