@@ -77,7 +77,9 @@ class LocalCoreAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
         self.cp_group = (
-            pg_collection.cp if pg_collection is not None else parallel_state.get_context_parallel_group()
+            pg_collection.cp
+            if pg_collection is not None
+            else parallel_state.get_context_parallel_group()
         )
 
     def forward(

@@ -96,9 +96,7 @@ def split_for_data_parallel(
     return [i for i in range(len(samples)) if owner[i] == dp_rank]
 
 
-def plan_microbatches(
-    lengths: Sequence[int], max_tokens: int, multiple: int
-) -> list[list[int]]:
+def plan_microbatches(lengths: Sequence[int], max_tokens: int, multiple: int) -> list[list[int]]:
     """Group sequence indices into micro-batches whose padded size b*s stays <= max_tokens.
 
     Sequences are taken longest first so similar lengths share a micro-batch (little padding).
@@ -160,7 +158,9 @@ def build_microbatch(
         start = len(s.prompt_ids) - 1
         loss_mask[row, start : n - 1] = 1.0
         if token_advantages:
-            values = s.advantage if isinstance(s.advantage, list) else [s.advantage] * (n - 1 - start)
+            values = (
+                s.advantage if isinstance(s.advantage, list) else [s.advantage] * (n - 1 - start)
+            )
             adv[row, start : n - 1] = torch.tensor(values, dtype=torch.float32)
         else:
             if isinstance(s.advantage, list):

@@ -77,8 +77,9 @@ def check_architecture(path: str | Path, model: ModelConfig) -> None:
             )
 
 
-def save_engine(engine, path: str | Path, *, extra: dict[str, Any] | None = None,
-                with_optimizer: bool = True) -> Path:
+def save_engine(
+    engine, path: str | Path, *, extra: dict[str, Any] | None = None, with_optimizer: bool = True
+) -> Path:
     """Save model (+ optimizer, scheduler) and RNG state. Collective: call on every rank."""
     final = Path(path)
     if final.exists():
@@ -119,8 +120,9 @@ def save_engine(engine, path: str | Path, *, extra: dict[str, Any] | None = None
     return final
 
 
-def load_engine(engine, path: str | Path, *, with_optimizer: bool = True,
-                restore_rng: bool = True) -> dict[str, Any]:
+def load_engine(
+    engine, path: str | Path, *, with_optimizer: bool = True, restore_rng: bool = True
+) -> dict[str, Any]:
     """Load a checkpoint saved on any layout into `engine`; returns the metadata."""
     path = Path(path)
     meta = read_meta(path)
@@ -155,7 +157,17 @@ def load_engine(engine, path: str | Path, *, with_optimizer: bool = True,
 
 def load_reference_weights(chunks, path: str | Path) -> list[dict[str, torch.Tensor]]:
     """The checkpoint's weights sharded like `chunks` (one dict per chunk), model untouched."""
-    loaded = dist_checkpointing.load({"model": model_sharded_state_dict(chunks)}, str(path))
+    # dist_checkpointing loads into the given tensors in place: give it fresh ones.
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    def detach(item):
+        if isinstance(item, ShardedTensor):
+            item.data = torch.empty_like(item.data)
+        return item
+
+    sharded = dict_list_map_inplace(detach, model_sharded_state_dict(chunks))
+    loaded = dist_checkpointing.load({"model": sharded}, str(path))
     return [loaded["model"][f"chunk{i}"] for i in range(len(chunks))]
 
 

@@ -175,7 +175,8 @@ def _redirect_torch_cuda() -> None:
 
 
 class _CpuDeviceTorch(types.ModuleType):
-    """`torch` as seen by one megatron module: tensor factories asked for device "cuda" get CPU.
+    """`torch` as seen by one megatron module: tensor factories asked for device "cuda" (or pinned
+    memory) get plain CPU memory.
 
     Installed as the module-global `torch` of the few megatron modules that hard-code
     `device="cuda"`; every other attribute is torch's own.
@@ -200,6 +201,8 @@ def _cpu_factory(factory):
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             kwargs["device"] = "cpu"
+        # Pinned host memory needs an accelerator.
+        kwargs.pop("pin_memory", None)
         return factory(*args, **kwargs)
 
     return wrapper
@@ -215,6 +218,7 @@ _MODULES_WITH_CUDA_FACTORIES = (
     "megatron.core.transformer.utils",
     "megatron.core.tensor_parallel.data",
     "megatron.core.utils",
+    "megatron.core.models.common.embeddings.rope_utils",
 )
 
 
@@ -238,6 +242,17 @@ def _patch_megatron() -> None:
     ):
         setattr(owner, name, _with_cuda_type_names(getattr(owner, name)))
 
+    # gloo's all_to_all_single takes split sizes as lists; the alltoall MoE dispatcher keeps them
+    # as tensors unless they were on a GPU (then it copies them to host numpy arrays).
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes(dispatcher.maybe_move_tensor_to_cpu)
+
+    # Pipeline shape exchange (variable sequence lengths) batches sends and receives in one
+    # group; gloo matches messages between two ranks by order, and with two pipeline stages the
+    # previous and next stage are the same peer, so the two (3,)-shaped shape messages can swap.
+    p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
+    p2p.P2PCommunicator._communicate_shapes = _communicate_shapes_in_order
+
     # The RNG tracker switches generator states through private helpers that reach
     # `torch.cuda.default_generators` via `_lazy_call`, which without CUDA queues the call and
     # never runs it: forks would silently keep the caller's state.
@@ -245,8 +260,8 @@ def _patch_megatron() -> None:
     random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
         torch.get_rng_state()
     )
-    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
-        torch.set_rng_state(new_state)
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
+        new_state
     )
 
 
@@ -274,6 +289,41 @@ def _fix_optimizer_fallback_path() -> None:
 
     distrib.DistributedOptimizer._set_main_param_and_optimizer_states = set_states
     distrib.DistributedOptimizer._gspo_fixed = True
+
+
+def _communicate_shapes_in_order(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    """Exchange activation shapes with sends posted next-then-prev and receives prev-then-next,
+    so that with a single peer each message meets the receive meant for it."""
+    group = self.pp_group
+    requests = []
+    for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
+        if tensor is not None:
+            shape = torch.tensor(tensor.size(), dtype=torch.int64)
+            requests.append(dist.isend(shape, peer, group=group))
+    received = {}
+    for wanted, name, peer in (
+        (recv_prev, "prev", self.prev_rank),
+        (recv_next, "next", self.next_rank),
+    ):
+        if wanted:
+            received[name] = torch.empty(3, dtype=torch.int64)
+            requests.append(dist.irecv(received[name], peer, group=group))
+    for request in requests:
+        request.wait()
+    return (
+        received["prev"].tolist() if "prev" in received else [0, 0, 0],
+        received["next"].tolist() if "next" in received else [0, 0, 0],
+    )
+
+
+def _host_split_sizes(original):
+    @functools.wraps(original)
+    def move(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move
 
 
 _CUDA_TYPE_NAMES = {

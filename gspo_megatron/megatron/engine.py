@@ -47,8 +47,9 @@ from gspo_megatron.megatron.routing import RouteRecorder
 
 @dataclass
 class OptimizerSettings:
-    """Adam with megatron's distributed optimizer, gradient clipping and an LR schedule."""
+    """Adam (or SGD) with megatron's distributed optimizer, gradient clipping and an LR schedule."""
 
+    name: str = "adam"  # adam | sgd
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -151,8 +152,11 @@ class TrainingEngine:
     def _optimizer_config(self) -> OptimizerConfig:
         s = self.optim_settings
         dtype = self.config.params_dtype
+        if s.name not in ("adam", "sgd"):
+            raise ValueError(f"optimizer.name must be adam or sgd, got {s.name!r}")
         return OptimizerConfig(
-            optimizer="adam",
+            optimizer=s.name,
+            sgd_momentum=0.0,
             lr=s.lr,
             min_lr=s.min_lr,
             weight_decay=s.weight_decay,
@@ -309,6 +313,7 @@ class TrainingEngine:
         )
         metrics = finalize_metrics(self._reduce_metric_sums(per_mb))
         metrics["loss"] = metrics.pop("loss_sum") / denominator
+        metrics["num_microbatches"] = float(num_mb_holder[0])  # on this rank
         finite = self._all_finite(metrics["loss"])
         if not finite:
             if self.settings.nonfinite == "raise":
@@ -509,9 +514,7 @@ class TrainingEngine:
                 start = len(s.prompt_ids) - 1
                 local[index] = values[row, start : start + len(s.response_ids)].numpy().copy()
         gathered: list = [None] * self.layout.dp
-        dist.all_gather_object(
-            gathered, local, group=parallel_state.get_data_parallel_group()
-        )
+        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
         merged: dict[int, np.ndarray] = {}
         for part in gathered:
             merged.update(part)

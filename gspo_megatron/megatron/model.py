@@ -66,6 +66,10 @@ def transformer_config(
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         pipeline_dtype=dtype,
+        # gloo matches batched sends and receives to the same peer by order, so with a
+        # two-stage interleaved pipeline the two directions swap same-shaped messages; megatron's
+        # unbatched path keeps the directions on separate process groups.
+        batch_p2p_comm=on_gpu,
         # Micro-batches differ in padded length; the pipeline communicates shapes first.
         variable_seq_lengths=True,
         # Weights are drawn on CPU as full tensors and then split, so a model initialised from
@@ -165,9 +169,7 @@ def build_model_chunks(
     config: TransformerConfig | None = None,
     use_te: bool | None = None,
 ) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), parallel state initialised.
-
-    """
+    """This rank's model chunks (one per virtual pipeline stage), parallel state initialised."""
     config = config or transformer_config(model, layout)
     if use_te is None:
         use_te = transformer_engine_available()

@@ -113,9 +113,10 @@ class ModelConfig:
                 f"unsupported architecture model_type={model_type!r} (architectures={archs}); "
                 f"gspo-megatron converts {sorted(ARCHITECTURES)}"
             )
-        if hf.get("rope_scaling") not in (None, {}) and (hf.get("rope_scaling") or {}).get(
-            "rope_type", "default"
-        ) != "default":
+        if (
+            hf.get("rope_scaling") not in (None, {})
+            and (hf.get("rope_scaling") or {}).get("rope_type", "default") != "default"
+        ):
             raise ValueError(
                 f"rope_scaling={hf['rope_scaling']} is not supported (plain RoPE only)"
             )

@@ -120,8 +120,9 @@ class RouteRecorder:
                 parts = [torch.empty_like(routes) for _ in range(cp)]
                 dist.all_gather(parts, routes.contiguous(), group=cp_group)
                 full = routes.shape[1] * cp
-                merged = torch.empty((routes.shape[0], full) + tuple(routes.shape[2:]),
-                                     dtype=routes.dtype)
+                merged = torch.empty(
+                    (routes.shape[0], full) + tuple(routes.shape[2:]), dtype=routes.dtype
+                )
                 for rank, part in enumerate(parts):
                     merged[:, cp_index(full, cp, rank)] = part
                 routes = merged
@@ -139,8 +140,9 @@ class RouteRecorder:
         for i in range(len(samples)):
             layers = by_sample[i]
             if len(layers) != self.num_layers:
-                raise RuntimeError(f"routes of sample {i} cover {len(layers)} of "
-                                   f"{self.num_layers} layers")
+                raise RuntimeError(
+                    f"routes of sample {i} cover {len(layers)} of {self.num_layers} layers"
+                )
             result.append(np.stack([layers[layer] for layer in range(self.num_layers)], axis=1))
         return result
 
@@ -168,9 +170,7 @@ class RouteRecorder:
             routes = torch.cat(parts, dim=0)
         return routes.reshape(s_cp, b, -1).transpose(0, 1)
 
-    def _count_changes(
-        self, new: torch.Tensor, old: torch.Tensor, valid: torch.Tensor
-    ) -> None:
+    def _count_changes(self, new: torch.Tensor, old: torch.Tensor, valid: torch.Tensor) -> None:
         same = torch.sort(new, dim=-1).values == torch.sort(old.to(new.dtype), dim=-1).values
         changed = ~same.all(dim=-1) & valid
         self.changed += int(changed.sum())
@@ -181,15 +181,18 @@ class RouteRecorder:
         recorder = self
         original = replay_obj.get_replay_topk
 
-        def get_replay_topk(obj, scores, topk, num_groups=None, group_topk=None,
-                            default_compute_topk=None):
+        def get_replay_topk(
+            obj, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
+        ):
             if obj.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
                 _, natural = default_compute_topk(
                     scores, topk, num_groups=num_groups, group_topk=group_topk
                 )
                 target = obj.target_topk_idx.to(natural.device)
-                valid = recorder._valid if recorder._valid is not None else torch.ones(
-                    natural.shape[0], dtype=torch.bool
+                valid = (
+                    recorder._valid
+                    if recorder._valid is not None
+                    else torch.ones(natural.shape[0], dtype=torch.bool)
                 )
                 recorder._count_changes(natural, target, valid)
             return original(scores, topk, num_groups, group_topk, default_compute_topk)

@@ -1,0 +1,57 @@
+"""Run worker scripts in subprocesses, under torchrun for several ranks.
+
+megatron-core keeps its parallel state per process, so every test that builds a megatron model
+runs it in a worker process and reads back the JSON lines the worker prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_worker(
+    script: str | Path,
+    args: list[str],
+    nproc: int = 1,
+    timeout: float = 600,
+    expect_failure: bool = False,
+) -> list[dict]:
+    """Run a worker script (under torchrun when nproc > 1); return the JSON lines it printed.
+
+    Fails the test with the worker's output when its exit status is not the expected one.
+    """
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if nproc > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            str(script),
+            *args,
+        ]
+    else:
+        cmd = [sys.executable, str(script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    failed = proc.returncode != 0
+    if failed != expect_failure:
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        pytest.fail(f"{script} {' '.join(args)} exited {proc.returncode}:\n{tail}")
+    return lines
