@@ -43,7 +43,8 @@ class MicroBatch:
     position_ids: torch.Tensor  # [b, s]
     labels: torch.Tensor  # [b, s]
     loss_mask: torch.Tensor  # [b, s] float32, 1 on response labels
-    padding_mask: torch.Tensor  # [b, s] bool, True on padding (excluded from MoE routing stats)
+    padding_mask: torch.Tensor  # [b, s] bool, True on padding
+    has_label: torch.Tensor  # [b, s] bool, True where a next token exists (t < length - 1)
     advantages: torch.Tensor  # [b] or [b, s] float32
     old_logprobs: torch.Tensor | None = None  # [b, s]
     ref_logprobs: torch.Tensor | None = None
@@ -60,6 +61,11 @@ def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
     for i, sample in enumerate(samples):
         if not sample.prompt_ids:
             raise ValueError(f"sample {i}: empty prompt (prompt_ids must hold at least one token)")
+        if not sample.response_ids:
+            raise ValueError(
+                f"sample {i}: empty response (a rollout must produce at least one token; an "
+                "immediate stop still yields the stop token)"
+            )
         if sample.length > max_length:
             raise ValueError(
                 f"sample {i}: prompt+response length {sample.length} exceeds the configured "
@@ -135,6 +141,7 @@ def build_microbatch(
     labels = torch.full((b, seq_len), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(b, seq_len, dtype=torch.float32)
     padding_mask = torch.ones(b, seq_len, dtype=torch.bool)
+    has_label = torch.zeros(b, seq_len, dtype=torch.bool)
     adv = torch.zeros(b, seq_len) if token_advantages else torch.zeros(b)
 
     def aligned(name: str) -> torch.Tensor | None:
@@ -155,6 +162,7 @@ def build_microbatch(
         tokens[row, :n] = ids
         labels[row, : n - 1] = ids[1:]
         padding_mask[row, :n] = False
+        has_label[row, : n - 1] = True
         start = len(s.prompt_ids) - 1
         loss_mask[row, start : n - 1] = 1.0
         if token_advantages:
@@ -169,7 +177,14 @@ def build_microbatch(
     routed = None
     if any(s.routed_experts is not None for s in chosen):
         first = next(s.routed_experts for s in chosen if s.routed_experts is not None)
-        routed = torch.zeros((b, seq_len) + tuple(first.shape[1:]), dtype=torch.int32)
+        # Positions without a recorded route (padding, the last token) get the experts
+        # 0..k-1: a valid, duplicate-free choice whose outputs are never used.
+        top_k = first.shape[-1]
+        routed = (
+            torch.arange(top_k, dtype=torch.int32)
+            .expand((b, seq_len) + tuple(first.shape[1:]))
+            .clone()
+        )
         for row, s in enumerate(chosen):
             if s.routed_experts is None:
                 raise ValueError("routed experts are given for some samples but not all")
@@ -183,6 +198,7 @@ def build_microbatch(
         labels=labels,
         loss_mask=loss_mask,
         padding_mask=padding_mask,
+        has_label=has_label,
         advantages=adv,
         old_logprobs=aligned("old_logprobs"),
         ref_logprobs=aligned("ref_logprobs"),
@@ -219,6 +235,7 @@ def split_for_context_parallel(batch: MicroBatch, cp_size: int, cp_rank: int) ->
         labels=take(batch.labels),
         loss_mask=take(batch.loss_mask),
         padding_mask=take(batch.padding_mask),
+        has_label=take(batch.has_label),
         advantages=take(batch.advantages),
         old_logprobs=take(batch.old_logprobs),
         ref_logprobs=take(batch.ref_logprobs),

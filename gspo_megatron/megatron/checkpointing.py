@@ -8,6 +8,7 @@ final name is always complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -107,7 +108,7 @@ def save_engine(
         meta = {
             "format_version": FORMAT_VERSION,
             "model": engine.model_config.to_dict(),
-            "layout": engine.layout.describe(),
+            "layout": dataclasses.asdict(engine.layout),
             "steps_done": engine.steps_done,
             "with_optimizer": with_optimizer,
             "extra": extra or {},
@@ -129,6 +130,14 @@ def load_engine(
     check_architecture(path, engine.model_config)
     if with_optimizer and not meta.get("with_optimizer", False):
         raise CheckpointError(f"{path}: holds model weights only; load it with model.init_from")
+    saved_ep = meta.get("layout", {}).get("ep", 1)
+    if with_optimizer and saved_ep != engine.layout.ep:
+        # megatron's optimizer state does not reshard between expert-parallel sizes.
+        raise CheckpointError(
+            f"{path}: optimizer state saved with parallel.ep={saved_ep} cannot be resumed with "
+            f"parallel.ep={engine.layout.ep}; use the same ep, or start from the weights only "
+            "(model.init_from)"
+        )
     model_sd = model_sharded_state_dict(engine.unwrapped_chunks)
     state = {"model": model_sd}
     if with_optimizer:

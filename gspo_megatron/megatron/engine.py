@@ -289,6 +289,8 @@ class TrainingEngine:
                 mb.loss_mask,
                 seq_sum=cp_sum,
                 seq_share=torch.full((lp.shape[0],), seq_share),
+                # Non-finite values are caught once per step (engine.nonfinite), not per call.
+                check_values=False,
                 **loss.hparams,
                 **extra,
             )

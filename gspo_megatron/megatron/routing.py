@@ -41,7 +41,8 @@ class RouteRecorder:
                     self._instrument(replay)
                     found.append((module.layer_number - 1, replay))
             self.routers[key] = sorted(found, key=lambda item: item[0])
-        self.mode = "off"
+        self.record = False
+        self.replay = False
         self.changed = 0
         self.total = 0
         self._valid: torch.Tensor | None = None
@@ -49,13 +50,18 @@ class RouteRecorder:
     # -- per schedule ------------------------------------------------------------------------
 
     def begin(self, *, record: bool, replay: bool) -> None:
-        """record: keep each forward's natural routes; replay: force mb.routed_experts."""
-        self.mode = "replay" if replay else ("record" if record else "off")
-        action = {
-            "replay": RouterReplayAction.REPLAY_FORWARD,
-            "record": RouterReplayAction.RECORD,
-            "off": None,
-        }[self.mode]
+        """record: keep the routes each forward used; replay: route with mb.routed_experts.
+
+        Without replay, recorded routes are also compared with mb.routed_experts when given.
+        """
+        self.record = record
+        self.replay = replay
+        if replay:
+            action = RouterReplayAction.REPLAY_FORWARD
+        elif record:
+            action = RouterReplayAction.RECORD
+        else:
+            action = None
         for routers in self.routers.values():
             for _, replay_obj in routers:
                 replay_obj.clear_indices()
@@ -66,11 +72,12 @@ class RouteRecorder:
             for _, replay_obj in routers:
                 replay_obj.clear_indices()
                 replay_obj.router_replay_action = None
-        self.mode = "off"
+        self.record = self.replay = False
 
     def before_forward(self, mb: MicroBatch, vp_stage: int | None) -> None:
-        self._valid = self._router_view(~mb.padding_mask)
-        if self.mode != "replay":
+        # Routes exist for every consumed token but the last of each sequence.
+        self._valid = self._router_view(mb.has_label)
+        if not self.replay:
             return
         if mb.routed_experts is None:
             raise ValueError("routing replay is on but the micro-batch carries no routes")
@@ -80,16 +87,16 @@ class RouteRecorder:
             replay_obj.replay_backward_list = [target]
 
     def after_forward(self, mb: MicroBatch, vp_stage: int | None, sink: list | None) -> None:
-        if self.mode != "record" or (sink is None and mb.routed_experts is None):
+        if not self.record or (sink is None and mb.routed_experts is None):
             return
         layers, recorded = [], []
         for layer, replay_obj in self.routers.get(vp_stage, []):
-            routes = replay_obj.recorded_topk_idx
+            routes = replay_obj.target_topk_idx if self.replay else replay_obj.recorded_topk_idx
             layers.append(layer)
             recorded.append(self._from_router_view(routes, mb.tokens.shape))
-            if mb.routed_experts is not None:
+            if mb.routed_experts is not None and not self.replay:
                 old = mb.routed_experts[:, :, layer, :]
-                self._count_changes(recorded[-1], old, ~mb.padding_mask)
+                self._count_changes(recorded[-1], old, mb.has_label)
         if sink is not None and layers:
             sink.append(
                 {

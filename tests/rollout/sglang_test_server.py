@@ -1,0 +1,982 @@
+"""A stand-in SGLang 0.5.23 HTTP server for CPU tests, run as its own process.
+
+Every request body is validated the way sglang's own http_server does it, with sglang's own
+classes: pydantic validation of the io_struct request class (what FastAPI does for a body
+parameter), the /generate JSON contract (`sglang.api.v1.api_types.GenerateRequest`),
+`GenerateReqInput.normalize_batch_and_arguments()`, and `SamplingParams(**d)` + `normalize` +
+`verify`. Tensor payloads are decoded with sglang's SafeUnpickler allow-list and rebuilt with its
+`FlattenedTensorBucket`; distributed updates join a real (gloo) process group and receive the
+broadcast. Weight updates follow the 0.5.23 session rules (tensor/distributed only between
+/begin_weight_update and /end_weight_update). Answers have the shapes sglang's handlers return.
+
+Generation is fake and deterministic (`fake_completion`, `fake_routed_experts`); the weight
+version is part of the hash, so new weights give new samples. Test-only endpoints under /_test/
+inject faults (500, slow, malformed JSON, a failing weight update) and expose the request log and
+the received weights.
+
+Importing sglang's request classes: `sglang/__init__.py` and `sglang/srt/utils/__init__.py`
+import the whole server (triton, CUDA kernels, every model config). `load_sglang_classes`
+registers the `sglang` and `sglang.srt.utils` packages without running those `__init__` files and
+puts small stand-ins in place of the four server-side modules io_struct reaches only for
+multimodal/scheduler types (listed there); io_struct, sampling_params, tensor_bucket, auth and the
+api_types contract are sglang's real code. Extra dependency: pyzmq (io_struct imports zmq).
+This happens only in the server process, never in the pytest process.
+
+Run: python sglang_test_server.py --port 0 [--tp-size 2] ...; it prints "READY <port>".
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+VOCAB_SIZE = 1000
+NUM_LAYERS = 2
+TOP_K = 2
+NUM_EXPERTS = 8
+
+
+# ---- deterministic fake model (shared with the tests) -----------------------------------------
+
+
+def _h(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+def fake_completion(
+    prompt: list[int],
+    seed: int | None,
+    version: str,
+    max_new_tokens: int,
+    stop_token_ids: list[int] | None = None,
+    vocab_size: int = VOCAB_SIZE,
+) -> tuple[list[int], list[float], dict]:
+    """(output ids, log-probs, finish_reason) the fake server returns for one sample."""
+    base = _h(tuple(prompt), seed, version)
+    stops = set(stop_token_ids or [])
+    ids: list[int] = []
+    for k in range(max_new_tokens):
+        tok = (base + 7919 * k) % vocab_size
+        ids.append(tok)
+        if tok in stops:
+            return (
+                ids,
+                [fake_logprob(t, i) for i, t in enumerate(ids)],
+                {
+                    "type": "stop",
+                    "matched": tok,
+                },
+            )
+    return (
+        ids,
+        [fake_logprob(t, i) for i, t in enumerate(ids)],
+        {
+            "type": "length",
+            "length": max_new_tokens,
+        },
+    )
+
+
+def fake_logprob(token: int, position: int) -> float:
+    return -((token * 31 + position) % 97 + 1) / 16.0
+
+
+def fake_routed_experts(num_tokens: int, layers: int = NUM_LAYERS, top_k: int = TOP_K):
+    import numpy as np
+
+    p = np.arange(num_tokens)[:, None, None]
+    layer = np.arange(layers)[None, :, None]
+    k = np.arange(top_k)[None, None, :]
+    return ((p * 5 + layer * 3 + k) % NUM_EXPERTS).astype(np.int32)
+
+
+# ---- the handle tests use (light imports only) --------------------------------------------------
+
+
+@dataclass
+class FakeServer:
+    """A running test server process."""
+
+    proc: subprocess.Popen
+    port: int
+    api_key: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _call(self, method: str, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read() or b"null")
+
+    def fault(self, path: str, kind: str, count: int = 1, delay_s: float = 0.0) -> None:
+        """Make the next `count` requests to `path` misbehave. Kinds: 500 (an error answer),
+        malformed (2xx with broken JSON), slow (answer after `delay_s`), close (drop the
+        connection), weight_fail (a weight update answers sglang's failure), hold (a /generate
+        stays in flight until /abort_request)."""
+        self._call(
+            "POST", "/_test/fault", {"path": path, "kind": kind, "count": count, "delay_s": delay_s}
+        )
+
+    def log(self) -> list[dict]:
+        """Requests so far: [{"path", "body"}] (large payloads shortened)."""
+        return self._call("GET", "/_test/log")
+
+    def weights(self) -> dict[str, dict]:
+        """Received weights: {name: {"shape", "dtype", "sha256"}}."""
+        return self._call("GET", "/_test/weights")
+
+    def state(self) -> dict:
+        return self._call("GET", "/_test/state")
+
+    def reset(self) -> None:
+        self._call("POST", "/_test/reset", {})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_fake_server(
+    *,
+    tp_size: int = 1,
+    dp_size: int = 1,
+    routed_experts: bool = True,
+    api_key: str | None = None,
+    health_delay_s: float = 0.0,
+    timeout_s: float = 60.0,
+) -> FakeServer:
+    """Start a test server process and wait for its READY line. The process shares this
+    process's multiprocessing authkey, so CPU tensors passed by file descriptor (tensor mode on
+    CPU) can be received, like CUDA IPC handles between colocated processes on a GPU node."""
+    import multiprocessing
+
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--port", "0",
+        "--tp-size", str(tp_size),
+        "--dp-size", str(dp_size),
+        "--health-delay-s", str(health_delay_s),
+    ]  # fmt: skip
+    if routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if api_key:
+        cmd += ["--api-key", api_key]
+    env = dict(os.environ, SGLANG_TEST_AUTHKEY=multiprocessing.current_process().authkey.hex())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, env=env, text=True)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    line = ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("READY "):
+            return FakeServer(proc, int(line.split()[1]), api_key)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"test SGLang server did not start (last line {line!r})")
+
+
+# ---- loading sglang's request classes (server process only) ------------------------------------
+
+
+def load_sglang_classes():
+    """sglang 0.5.23's request classes without its GPU-only import chain (see module doc)."""
+    import ast
+    import dataclasses
+    import enum
+    import importlib
+    import importlib.machinery
+    import importlib.util
+    import io
+    import pickle
+    import types
+    from typing import Literal
+
+    import msgspec
+    import torch
+    from packaging.version import Version
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("sglang is not installed: pip install --no-deps sglang==0.5.23")
+    base = spec.submodule_search_locations[0]
+
+    def package(name: str, path: str | None = None, **attrs):
+        mod = types.ModuleType(name)
+        mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=path is not None)
+        if path is not None:
+            mod.__path__ = [path]
+            mod.__spec__.submodule_search_locations = [path]
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+        return mod
+
+    # `sglang` without sglang/__init__.py (frontend DSL, IPython, transformers patches).
+    package("sglang", base)
+
+    # `sglang.srt.utils` without utils/__init__.py (re-exports utils/common.py: triton, the
+    # server). io_struct takes ImageData/VideoData from it (copied from utils/common.py), and
+    # lora_registry ConcurrentCounter (used only when LoRA serves).
+    @dataclasses.dataclass
+    class ImageData:
+        url: str
+        detail: Literal["auto", "low", "high"] | None = "auto"
+        max_dynamic_patch: int | None = None
+        preprocess_kwargs: dict | None = None
+        content_hash: str | None = None
+        max_long_side_pixel: int | None = None
+
+    @dataclasses.dataclass
+    class VideoData:
+        url: str
+        preprocess_kwargs: dict | None = None
+        max_long_side_pixel: int | None = None
+
+    def flatten_nested_list(x):
+        return [i for s in x for i in flatten_nested_list(s)] if isinstance(x, list) else [x]
+
+    package(
+        "sglang.srt.utils",
+        os.path.join(base, "srt", "utils"),
+        ImageData=ImageData,
+        VideoData=VideoData,
+        flatten_nested_list=flatten_nested_list,
+        ConcurrentCounter=type("ConcurrentCounter", (), {}),
+    )
+    # CUDA IPC transport for multimodal features (embed_types, msgpack_utils import the name).
+    package(
+        "sglang.srt.utils.cuda_ipc_transport_utils",
+        CudaIpcTensorTransportProxy=type("CudaIpcTensorTransportProxy", (), {}),
+    )
+
+    # scheduler types io_struct annotates with (schedule_batch imports the model runner).
+    class CaptureHiddenMode(enum.IntEnum):
+        NULL = 0
+        FULL = 1
+        LAST = 2
+
+    def get_return_hidden_states_mode(v):
+        if v is True:
+            return CaptureHiddenMode.FULL
+        if v == "last":
+            return CaptureHiddenMode.LAST
+        if v is False:
+            return CaptureHiddenMode.NULL
+        raise ValueError("return_hidden_states must be a boolean or the string literal 'last'.")
+
+    modality = importlib.import_module("sglang.srt.multimodal.modality")
+
+    class MultimodalProcessorOutput(msgspec.Struct, kw_only=True):
+        input_ids: list | None = None
+
+    package(
+        "sglang.srt.managers.schedule_batch",
+        Modality=modality.Modality,
+        MultimodalProcessorOutput=MultimodalProcessorOutput,
+        ReturnHiddenStatesMode=bool | Literal["last"],
+        SamplingLogprobsMode=Literal["selected", "support"],
+        get_return_hidden_states_mode=get_return_hidden_states_mode,
+    )
+
+    # mm_utils imports the distributed runtime; io_struct needs has_valid_data (copied).
+    def has_valid_data(data):
+        if data is None:
+            return False
+        if isinstance(data, list):
+            return any(has_valid_data(i) for i in flatten_nested_list(data))
+        return True
+
+    package("sglang.srt.multimodal.mm_utils", has_valid_data=has_valid_data)
+
+    io_struct = importlib.import_module("sglang.srt.managers.io_struct")
+    sampling_params = importlib.import_module("sglang.srt.sampling.sampling_params")
+    tensor_bucket = importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
+    auth = importlib.import_module("sglang.srt.utils.auth")
+
+    # The generated JSON contract (msgspec only), loaded by file path.
+    api_spec = importlib.util.spec_from_file_location(
+        "sglang_api_v1_types", os.path.join(base, "api", "v1", "api_types.py")
+    )
+    api_types = importlib.util.module_from_spec(api_spec)
+    sys.modules["sglang_api_v1_types"] = api_types
+    api_spec.loader.exec_module(api_types)
+
+    # sglang's SafeUnpickler (allow-list) and init_custom_process_group (the server's end of the
+    # weight-update group) live in utils/common.py, which imports the whole server: compile just
+    # those definitions from sglang's own source.
+    common_src = Path(base, "srt", "utils", "common.py").read_text()
+    tree = ast.parse(common_src)
+    keep = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.ClassDef | ast.FunctionDef)
+        and n.name in ("SafeUnpickler", "_safe_load_torch_storage", "init_custom_process_group")
+    ]
+    if len(keep) != 3:
+        raise RuntimeError("SafeUnpickler / init_custom_process_group not in sglang's common.py")
+    ns = {
+        "pickle": pickle,
+        "io": io,
+        "torch": torch,
+        "torch_release": Version(torch.__version__).release,
+    }
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "sglang/srt/utils/common.py", "exec"), ns)
+
+    return types.SimpleNamespace(
+        io=io_struct,
+        SamplingParams=sampling_params.SamplingParams,
+        FlattenedTensorBucket=tensor_bucket.FlattenedTensorBucket,
+        FlattenedTensorMetadata=tensor_bucket.FlattenedTensorMetadata,
+        SafeUnpickler=ns["SafeUnpickler"],
+        init_custom_process_group=ns["init_custom_process_group"],
+        api=api_types,
+        auth=auth,
+    )
+
+
+# ---- the server (server process only) -----------------------------------------------------------
+
+
+def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
+    import asyncio
+    import base64
+    import io
+
+    import pydantic
+    import torch
+    from aiohttp import web
+
+    sg = load_sglang_classes()
+    io_struct = sg.io
+    adapters = {}
+
+    def validate(cls, body):
+        """FastAPI's body validation: pydantic over the io_struct class; ValidationError ->
+        400 with sglang's ErrorResponse shape."""
+        if cls not in adapters:
+            adapters[cls] = pydantic.TypeAdapter(cls)
+        return adapters[cls].validate_python(body)
+
+    state = {
+        "session": None,  # {"selector", "loaded"} while a weight-update session is open
+        "version": "default",
+        "released": set(),
+        "paused": False,
+        "groups": {},  # group_name -> list of per-rank ProcessGroups
+        "weights": {},  # name -> tensor
+        "log": [],
+        "faults": {},  # path -> list of {"kind", "delay_s"}
+        "inflight": set(),
+    }
+    unpaused = asyncio.Event()
+    unpaused.set()
+
+    def json_response(body, status=200):
+        return web.Response(
+            body=json.dumps(body).encode(), status=status, content_type="application/json"
+        )
+
+    def bad_request(message):  # sglang's ErrorResponse for validation errors
+        return json_response(
+            {"object": "error", "message": message, "type": "Bad Request", "param": None,
+             "code": 400},
+            400,
+        )  # fmt: skip
+
+    def summarize(body):
+        if isinstance(body, dict) and "serialized_named_tensors" in body:
+            body = dict(body)
+            body["serialized_named_tensors"] = [
+                f"<{len(s)} chars>" for s in body["serialized_named_tensors"]
+            ]
+        return body
+
+    admin_paths = {
+        "/flush_cache", "/update_weights_from_disk", "/init_weights_update_group",
+        "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
+        "/update_weights_from_distributed", "/release_memory_occupation",
+        "/destroy_weights_update_group",
+        "/resume_memory_occupation", "/abort_request", "/pause_generation",
+        "/continue_generation",
+    }  # fmt: skip
+
+    @web.middleware
+    async def sglang_middleware(request, handler):
+        path = request.path
+        if path.startswith("/_test/"):
+            return await handler(request)
+        level = (
+            sg.auth.AuthLevel.ADMIN_OPTIONAL if path in admin_paths else sg.auth.AuthLevel.NORMAL
+        )
+        decision = sg.auth.decide_request_auth(
+            method=request.method,
+            path=path,
+            authorization_header=request.headers.get("Authorization"),
+            api_key=args.api_key,
+            admin_api_key=None,
+            auth_level=level,
+        )
+        if not decision.allowed:
+            return json_response({"error": "Unauthorized"}, decision.error_status_code)
+        raw = await request.read()
+        body = None
+        if raw:
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError as e:
+                return bad_request(f"JSON decode error: {e}")
+        if not path.startswith("/health"):  # probes are not part of the protocol under test
+            state["log"].append({"path": path, "method": request.method, "body": summarize(body)})
+        request["json"] = body
+        faults = state["faults"].get(path)
+        fault = faults.pop(0) if faults else None
+        if fault and fault["kind"] == "slow":
+            await asyncio.sleep(fault["delay_s"])
+        if fault and fault["kind"] == "500":
+            return json_response({"error": {"message": "injected internal error"}}, 500)
+        if fault and fault["kind"] == "close":
+            request.transport.close()  # the client sees the connection drop
+            return web.Response(status=500)
+        request["fault"] = fault
+        resp = await handler(request)
+        if fault and fault["kind"] == "malformed":
+            return web.Response(
+                body=b'{"text": "trunc', status=200, content_type="application/json"
+            )
+        return resp
+
+    routes = web.RouteTableDef()
+
+    @routes.get("/health")
+    @routes.get("/health_generate")
+    async def health(request):
+        if time.monotonic() < args.ready_at:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    @routes.get("/server_info")
+    async def server_info(request):
+        return json_response(
+            {"tp_size": args.tp_size, "dp_size": args.dp_size, "pp_size": 1,
+             "model_path": "fake", "weight_version": state["version"], "version": "0.5.23"}
+        )  # fmt: skip
+
+    @routes.get("/model_info")
+    async def model_info(request):
+        return json_response(
+            {"model_path": "fake", "is_generation": True, "weight_version": state["version"]}
+        )
+
+    @routes.post("/generate")
+    async def generate(request):
+        body = request["json"]
+        try:
+            obj = validate(io_struct.GenerateReqInput, body)
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        contract_error = _contract_error(sg.api, body)
+        if contract_error is not None:
+            return json_response({"error": contract_error}, 400)
+        try:
+            obj.normalize_batch_and_arguments()
+            if obj.is_single:
+                return json_response({"error": {"message": "test server: send batches"}}, 400)
+            items = []
+            for i in range(len(obj.input_ids)):
+                sp = sg.SamplingParams(**obj.sampling_params[i])
+                sp.normalize(None)
+                sp.verify(VOCAB_SIZE)
+                ids = obj.input_ids[i]
+                if any(not 0 <= t < VOCAB_SIZE for t in ids):
+                    raise ValueError(f"input_ids out of vocabulary [0, {VOCAB_SIZE})")
+                items.append((ids, sp, obj.return_logprob[i], obj.logprob_start_len[i]))
+        except (ValueError, TypeError) as e:
+            return json_response({"error": {"message": str(e)}}, 400)
+        if "kv_cache" in state["released"] or "weights" in state["released"]:
+            return json_response(
+                {"error": {"message": f"generate while {sorted(state['released'])} released"}},
+                500,
+            )
+        await unpaused.wait()
+        fault = request["fault"]
+        out = []
+        aborted = False
+        if fault and fault["kind"] == "hold":  # stays in flight until /abort_request
+            ev = asyncio.Event()
+            state["inflight"].add(ev)
+            await ev.wait()
+            aborted = True
+        for rid, (ids, sp, want_lp, lp_start) in zip(obj.rid, items, strict=True):
+            toks, lps, finish = fake_completion(
+                ids, sp.sampling_seed, state["version"], sp.max_new_tokens,
+                sorted(sp.stop_token_ids or []),
+            )  # fmt: skip
+            if aborted:
+                toks, lps = toks[:1], lps[:1]
+                finish = {"type": "abort", "message": "Abort before prefill",
+                          "status_code": None, "err_type": None}  # fmt: skip
+            meta = {
+                "id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
+                "weight_version": state["version"], "num_retractions": 0,
+                "reasoning_tokens": 0, "completion_tokens": len(toks), "cached_tokens": 0,
+                "e2e_latency": 0.001,
+            }  # fmt: skip
+            if want_lp:
+                if lp_start != -1:
+                    return json_response({"error": {"message": "test server: input logprobs"}}, 400)
+                meta["output_token_logprobs"] = [
+                    [lp, t, None] for lp, t in zip(lps, toks, strict=True)
+                ]
+                meta["input_token_logprobs"] = []
+            if obj.return_routed_experts and args.enable_return_routed_experts:
+                routes_ = fake_routed_experts(len(ids) + len(toks) - 1)
+                meta["routed_experts"] = base64.b64encode(routes_.tobytes()).decode()
+            item = {"text": "", "output_ids": toks, "meta_info": meta}
+            sg.api.GenerateResponse.from_json_value(item)  # our answer obeys the contract
+            out.append(item)
+        return json_response(out)
+
+    def session_error(name):
+        return json_response(
+            {"success": False,
+             "message": f"{name} must run between begin_weight_update() and end_weight_update()"},
+            400,
+        )  # fmt: skip
+
+    def weight_fail(request):
+        fault = request["fault"]
+        if fault and fault["kind"] == "weight_fail":
+            return json_response(
+                {"success": False, "message": "Failed to update weights: injected shape mismatch "
+                 "for model.layers.0.mlp.experts.3.gate_proj.weight"},
+                400,
+            )  # fmt: skip
+        return None
+
+    def record(named, version):
+        for name, t in named:
+            state["weights"][name] = t.clone()
+        if version is not None:
+            state["version"] = version
+
+    @routes.post("/begin_weight_update")
+    async def begin(request):
+        try:
+            obj = validate(io_struct.BeginWeightUpdateReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if state["session"] is not None:
+            return json_response({"success": False, "message": "a weight-update session is "
+                                  "already open; call end_weight_update() first"}, 400)  # fmt: skip
+        state["session"] = {"selector": obj.selector, "loaded": False}
+        return json_response({"success": True, "message": "Success"})
+
+    @routes.post("/end_weight_update")
+    async def end(request):
+        try:
+            validate(io_struct.EndWeightUpdateReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if state["session"] is None:
+            return json_response({"success": False, "message": "no weight-update session is "
+                                  "open; call begin_weight_update() first"}, 400)  # fmt: skip
+        state["session"] = None
+        return json_response({"success": True, "message": "Success"})
+
+    @routes.post("/update_weights_from_tensor")
+    async def from_tensor(request):
+        try:
+            obj = validate(io_struct.UpdateWeightsFromTensorReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if state["session"] is None:
+            return session_error("update_weights_from_tensor")
+        if (failed := weight_fail(request)) is not None:
+            return failed
+        if "weights" in state["released"]:
+            return json_response({"success": False, "message": "weights are released"}, 400)
+        if len(obj.serialized_named_tensors) != args.tp_size:
+            return json_response(
+                {"success": False, "message": f"expected {args.tp_size} payloads (one per TP "
+                 f"rank), got {len(obj.serialized_named_tensors)}"}, 400)  # fmt: skip
+        per_rank = []
+        for rank in range(args.tp_size):  # each TP rank reads only its own payload
+            data = sg.SafeUnpickler(io.BytesIO(obj.serialized_named_tensors[rank])).load()
+            if obj.load_format != "flattened_bucket":
+                return json_response({"success": False, "message": "test server: "
+                                      "flattened_bucket only"}, 400)  # fmt: skip
+            metadata = [
+                sg.FlattenedTensorMetadata(
+                    name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                    end_idx=m.end_idx, numel=m.numel,
+                )
+                for m in data["metadata"]
+            ]  # fmt: skip
+            bucket = sg.FlattenedTensorBucket(
+                flattened_tensor=data["flattened_tensor"], metadata=metadata
+            )
+            per_rank.append(bucket.reconstruct_tensors())
+        for other in per_rank[1:]:
+            for (n0, t0), (n1, t1) in zip(per_rank[0], other, strict=True):
+                assert n0 == n1 and torch.equal(t0, t1)
+        record(per_rank[0], obj.weight_version)
+        state["session"]["loaded"] = True
+        msg = "Success" + (
+            f" Weight version updated to {obj.weight_version}." if obj.weight_version else ""
+        )
+        return json_response({"success": True, "message": msg})
+
+    @routes.post("/init_weights_update_group")
+    async def init_group(request):
+        try:
+            obj = validate(io_struct.InitWeightsUpdateGroupReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        import multiprocessing
+
+        loop = asyncio.get_running_loop()
+        join = dict(
+            backend=obj.backend, init_method=f"tcp://{obj.master_address}:{obj.master_port}",
+            world_size=obj.world_size, group_name=obj.group_name,
+        )  # fmt: skip
+        # TP rank 0 lives here; ranks 1.. in their own processes, as sglang runs one scheduler
+        # process per TP rank (torch allows one group of a name per process).
+        ctx = multiprocessing.get_context("spawn")
+        workers = []
+        for r in range(1, args.tp_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_tp_rank_worker, args=(child, {**join, "rank": obj.rank_offset + r}),
+                daemon=True,
+            )  # fmt: skip
+            proc.start()
+            workers.append((proc, parent))
+        try:
+            pg = await loop.run_in_executor(
+                None, _join_group, sg, {**join, "rank": obj.rank_offset}
+            )
+            for _, conn in workers:
+                if isinstance(reply := await loop.run_in_executor(None, conn.recv), Exception):
+                    raise reply
+        except Exception as e:  # noqa: BLE001 - reported like sglang
+            for proc, _ in workers:
+                proc.kill()
+            return json_response(
+                {"success": False, "message": f"Failed to initialize custom process group: {e}."},
+                400,
+            )
+        state["groups"][obj.group_name] = (pg, workers)
+        return json_response(
+            {"success": True, "message": "Succeeded to initialize custom process group."}
+        )
+
+    def destroy_group(name):
+        pg, workers = state["groups"].pop(name)
+        torch.distributed.destroy_process_group(pg)
+        for proc, conn in workers:
+            conn.send(None)
+            proc.join(timeout=10)
+
+    @routes.post("/destroy_weights_update_group")
+    async def destroy(request):
+        try:
+            obj = validate(io_struct.DestroyWeightsUpdateGroupReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if obj.group_name not in state["groups"]:
+            return json_response(
+                {"success": False, "message": "The group to be destroyed does not exist."}, 400
+            )
+        destroy_group(obj.group_name)
+        return json_response(
+            {"success": True, "message": "Succeeded to destroy custom process group."}
+        )
+
+    @routes.post("/update_weights_from_distributed")
+    async def from_distributed(request):
+        try:
+            obj = validate(io_struct.UpdateWeightsFromDistributedReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if state["session"] is None:
+            return session_error("update_weights_from_distributed")
+        if (failed := weight_fail(request)) is not None:
+            return failed
+        if obj.group_name not in state["groups"]:
+            msg = (
+                f"Failed to receive weights: Group {obj.group_name} not in "
+                f"{list(state['groups'])}. Please call `init_weights_update_group` first."
+            )
+            return json_response({"success": False, "message": msg}, 400)
+        pg, workers = state["groups"][obj.group_name]
+        meta = (obj.names, obj.dtypes, obj.shapes, obj.load_format)
+        loop = asyncio.get_running_loop()
+
+        def from_worker(conn):
+            conn.send(meta)
+            return conn.recv()
+
+        try:
+            named, *others = await asyncio.gather(
+                loop.run_in_executor(None, _receive, sg, pg, *meta),
+                *(loop.run_in_executor(None, from_worker, conn) for _, conn in workers),
+            )
+            for other in others:
+                if isinstance(other, Exception):
+                    raise other
+        except Exception as e:  # noqa: BLE001 - reported like sglang
+            return json_response({"success": False, "message": f"Failed to receive weights: {e}"},
+                                 400)  # fmt: skip
+        digests = {n: _sha256(t) for n, t in named}
+        for other in others:  # every TP rank received the same bytes
+            assert other == digests, "TP ranks received different tensors"
+        record(named, obj.weight_version)
+        state["session"]["loaded"] = True
+        msg = "Succeeded to update parameter online." + (
+            f" Weight version updated to {obj.weight_version}." if obj.weight_version else ""
+        )
+        return json_response({"success": True, "message": msg})
+
+    @routes.post("/update_weights_from_disk")
+    async def from_disk(request):
+        try:
+            obj = validate(io_struct.UpdateWeightFromDiskReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if (failed := weight_fail(request)) is not None:
+            failed_body = json.loads(failed.body)
+            failed_body["num_paused_requests"] = 0
+            return json_response(failed_body, 400)
+        from safetensors.torch import load_file
+
+        root = Path(obj.model_path)
+        index = root / "model.safetensors.index.json"
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            named = [kv for f in files for kv in load_file(str(root / f)).items()]
+        except (OSError, ValueError, KeyError) as e:
+            return json_response({"success": False, "message": f"Failed to get weights "
+                                  f"iterator: {e}.", "num_paused_requests": 0}, 400)  # fmt: skip
+        record(named, obj.weight_version)
+        msg = "Succeeded to update model weights." + (
+            f" Weight version updated to {obj.weight_version}." if obj.weight_version else ""
+        )
+        return json_response({"success": True, "message": msg, "num_paused_requests": 0})
+
+    def tags_of(obj):
+        return obj.tags or ["weights", "kv_cache", "cuda_graph"]
+
+    @routes.post("/release_memory_occupation")
+    async def release(request):
+        try:
+            obj = validate(io_struct.ReleaseMemoryOccupationReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        state["released"].update(tags_of(obj))
+        return json_response(None)
+
+    @routes.post("/resume_memory_occupation")
+    async def resume(request):
+        try:
+            obj = validate(io_struct.ResumeMemoryOccupationReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        for tag in tags_of(obj):
+            if tag not in state["released"]:  # sglang: offload_tags.remove(tag) -> KeyError
+                return json_response({"error": {"message": repr(tag)}}, 400)
+            state["released"].remove(tag)
+        return json_response(None)
+
+    @routes.route("*", "/flush_cache")
+    async def flush_cache(request):
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+            "running or waiting requests, the operation will not be performed.)\n"
+        )
+
+    @routes.post("/pause_generation")
+    async def pause(request):
+        try:
+            validate(io_struct.PauseGenerationReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        state["paused"] = True
+        unpaused.clear()
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @routes.post("/continue_generation")
+    async def cont(request):
+        try:
+            validate(io_struct.ContinueGenerationReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        state["paused"] = False
+        unpaused.set()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @routes.post("/abort_request")
+    async def abort(request):
+        try:
+            obj = validate(io_struct.AbortReq, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if obj.abort_all:
+            for ev in state["inflight"]:
+                ev.set()
+            state["inflight"].clear()
+        return web.Response(status=200)
+
+    # -- test controls --
+
+    @routes.post("/_test/fault")
+    async def set_fault(request):
+        body = await request.json()
+        state["faults"].setdefault(body["path"], []).extend(
+            [{"kind": body["kind"], "delay_s": body.get("delay_s", 0.0)}] * body.get("count", 1)
+        )
+        return json_response({"ok": True})
+
+    @routes.get("/_test/log")
+    async def get_log(request):
+        return json_response(state["log"])
+
+    @routes.get("/_test/weights")
+    async def get_weights(request):
+        out = {}
+        for name, t in state["weights"].items():
+            out[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                         "sha256": _sha256(t)}  # fmt: skip
+        return json_response(out)
+
+    @routes.get("/_test/state")
+    async def get_state(request):
+        return json_response(
+            {"session_open": state["session"] is not None, "version": state["version"],
+             "released": sorted(state["released"]), "paused": state["paused"],
+             "groups": list(state["groups"])}
+        )  # fmt: skip
+
+    @routes.post("/_test/reset")
+    async def reset(request):
+        state.update(session=None, version="default", paused=False, weights={}, log=[],
+                     faults={})  # fmt: skip
+        state["released"].clear()
+        for name in list(state["groups"]):
+            destroy_group(name)
+        unpaused.set()
+        return json_response({"ok": True})
+
+    app = web.Application(middlewares=[sglang_middleware], client_max_size=1 << 30)
+    app.add_routes(routes)
+    return app
+
+
+def _sha256(t) -> str:
+    import torch
+
+    data = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return hashlib.sha256(data).hexdigest()
+
+
+def _join_group(sg, join: dict):
+    """sglang's WeightUpdater.init_weights_update_group for one TP rank."""
+    from datetime import timedelta
+
+    return sg.init_custom_process_group(**join, timeout=timedelta(seconds=60))
+
+
+def _receive(sg, pg, names, dtypes, shapes, load_format):
+    """sglang's receive_weights_from_distributed for one TP rank."""
+    import torch
+
+    if load_format == "flattened_bucket":
+        bucket = sg.FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+        torch.distributed.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+        return bucket.reconstruct_tensors()
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        torch.distributed.broadcast(t, src=0, group=pg)
+        out.append((name, t))
+    return out
+
+
+def _tp_rank_worker(conn, join: dict) -> None:
+    """A TP rank > 0 of a simulated multi-GPU server: joins the group, then receives each
+    announced bucket and reports its digests; None ends it."""
+    import torch
+
+    try:
+        sg = load_sglang_classes()
+        pg = _join_group(sg, join)
+    except Exception as e:  # noqa: BLE001 - sent to the server process
+        conn.send(RuntimeError(str(e)))
+        return
+    conn.send("joined")
+    while (meta := conn.recv()) is not None:
+        try:
+            conn.send({n: _sha256(t) for n, t in _receive(sg, pg, *meta)})
+        except Exception as e:  # noqa: BLE001 - sent to the server process
+            conn.send(RuntimeError(str(e)))
+    torch.distributed.destroy_process_group(pg)
+
+
+def _contract_error(api, body):
+    """sglang's /generate contract gate (srt/entrypoints/api_contract.py)."""
+    try:
+        api.GenerateRequest.from_json_value(body)
+    except api.JsonContractError as e:
+        return str(e)
+    return None
+
+
+def main() -> None:
+    import asyncio
+    import multiprocessing
+
+    from aiohttp import web
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--health-delay-s", type=float, default=0.0)
+    args = p.parse_args()
+    args.ready_at = time.monotonic() + args.health_delay_s
+    if key := os.environ.get("SGLANG_TEST_AUTHKEY"):
+        multiprocessing.current_process().authkey = bytes.fromhex(key)
+
+    async def serve():
+        runner = web.AppRunner(build_app(args), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", args.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        print(f"READY {port}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

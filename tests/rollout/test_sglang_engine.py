@@ -1,0 +1,480 @@
+"""SGLangEngine against a stand-in SGLang 0.5.23 server (tests/rollout/sglang_test_server.py)
+that validates every request body with sglang's own request classes: generation, every weight
+sync mode with the begin/end protocol, memory release, control calls, and failures."""
+
+import hashlib
+import importlib.util
+import socket
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from gspo_megatron.rollout.sglang import (
+    ServerLaunchConfig,
+    SGLangConnectionError,
+    SGLangEngine,
+    SGLangEngineConfig,
+    SGLangError,
+    SGLangHTTPError,
+    SGLangProtocolError,
+    SGLangTimeoutError,
+    WeightUpdateError,
+)
+
+try:  # tests/rollout may or may not be a package
+    from . import sglang_test_server as fake
+except ImportError:
+    import sglang_test_server as fake
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None or importlib.util.find_spec("zmq") is None,
+    reason="needs `pip install --no-deps sglang==0.5.23` and pyzmq (the test extra)",
+)
+
+FAST = {"health_timeout_s": 20.0, "max_retries": 2, "backoff_s": 0.01, "backoff_max_s": 0.05}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = fake.start_fake_server(tp_size=2, routed_experts=True)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def server_b():
+    s = fake.start_fake_server(tp_size=1, routed_experts=False)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def _reset(request):
+    for name in ("server", "server_b"):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).reset()
+
+
+def make_engine(urls, **kw) -> SGLangEngine:
+    cfg = {"weight_sync": "tensor", **FAST, **kw}
+    return SGLangEngine(SGLangEngineConfig(urls=list(urls), **cfg))
+
+
+class FakeSource:
+    """A WeightSource of random HF-named tensors (MoE experts in bf16, norms in fp32)."""
+
+    def __init__(self, seed: int, layers: int = 2, experts: int = 4) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tensors: list[tuple[str, torch.Tensor]] = [
+            ("model.embed_tokens.weight", torch.randn(64, 16, generator=g).bfloat16())
+        ]
+        for layer in range(layers):
+            p = f"model.layers.{layer}"
+            self.tensors.append((f"{p}.input_layernorm.weight", torch.randn(16, generator=g)))
+            self.tensors.append((f"{p}.mlp.gate.weight", torch.randn(experts, 16, generator=g)))
+            for e in range(experts):
+                for proj, shape in (("gate_proj", (8, 16)), ("up_proj", (8, 16)),
+                                    ("down_proj", (16, 8))):  # fmt: skip
+                    t = torch.randn(*shape, generator=g).bfloat16()
+                    self.tensors.append((f"{p}.mlp.experts.{e}.{proj}.weight", t))
+        self.bucket_calls: list[int] = []
+
+    def buckets(self, bucket_bytes: int):
+        self.bucket_calls.append(bucket_bytes)
+        bucket, size = [], 0
+        for name, t in self.tensors:
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def is_sender(self) -> bool:
+        return True
+
+    def expected(self) -> dict[str, dict]:
+        return {
+            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                "sha256": hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes())
+                .hexdigest()}
+            for n, t in self.tensors
+        }  # fmt: skip
+
+
+def paths(srv) -> list[str]:
+    return [e["path"] for e in srv.log()]
+
+
+# ---- generation -------------------------------------------------------------------------------
+
+
+def test_generate_parses_ids_logprobs_finish_and_routed_experts(server):
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_new_tokens=6, seed=100)
+    with make_engine([server.url], return_routed_experts=True, routed_experts_layers=2,
+                     routed_experts_top_k=2, samples_per_request=4) as eng:  # fmt: skip
+        assert isinstance(eng, RolloutEngine)
+        groups = eng.generate(prompts, 3, params)
+    assert [len(g) for g in groups] == [3, 3, 3]
+    seeds = []
+    for i, group in enumerate(groups):
+        for j, s in enumerate(group):
+            seed = 100 + i * 3 + j
+            seeds.append(seed)
+            ids, lps, _ = fake.fake_completion(prompts[i], seed, "default", 6)
+            assert s.prompt_ids == prompts[i]
+            assert s.response_ids == ids and s.logprobs == lps
+            assert s.finish_reason == "length" and s.weight_version == 0
+            want = fake.fake_routed_experts(len(prompts[i]) + len(ids) - 1)
+            assert s.routed_experts.shape == (len(prompts[i]) + 5, 2, 2)
+            assert (s.routed_experts == want).all()
+    reqs = [e["body"] for e in server.log() if e["path"] == "/generate"]
+    assert [len(r["input_ids"]) for r in reqs] == [4, 4, 1]  # 9 samples, 4 per request
+    sent = [sp for r in reqs for sp in r["sampling_params"]]
+    assert sorted(sp["sampling_seed"] for sp in sent) == seeds
+    assert all(sp["top_k"] == 50 and "n" not in sp for sp in sent)
+    assert all(r["return_logprob"] and r["logprob_start_len"] == -1 for r in reqs)
+    assert all(r["return_routed_experts"] for r in reqs)
+
+
+def test_stop_token_ends_a_sample_with_stop(server):
+    prompt = [9, 9, 9]
+    ids, _, _ = fake.fake_completion(prompt, 5, "default", 10)
+    stop = ids[3]
+    with make_engine([server.url]) as eng:
+        (group,) = eng.generate([prompt], 1, SamplingParams(max_new_tokens=10, seed=5,
+                                                            stop_token_ids=(stop,)))  # fmt: skip
+    assert group[0].response_ids == ids[: ids.index(stop) + 1]
+    assert group[0].finish_reason == "stop"
+
+
+def test_unseeded_calls_still_give_distinct_seeds(server):
+    with make_engine([server.url], seed=0) as eng:
+        eng.generate([[1, 2]], 4, SamplingParams(max_new_tokens=2))
+        eng.generate([[1, 2]], 4, SamplingParams(max_new_tokens=2))
+    seeds = [sp["sampling_seed"] for e in server.log() if e["path"] == "/generate"
+             for sp in e["body"]["sampling_params"]]  # fmt: skip
+    assert len(set(seeds)) == 8
+
+
+def test_requests_spread_over_servers(server, server_b):
+    with make_engine([server.url, server_b.url], samples_per_request=1, max_concurrency=2) as eng:
+        groups = eng.generate([[1], [2], [3], [4]], 2, SamplingParams(max_new_tokens=2, seed=1))
+    assert len(groups) == 4
+    a, b = paths(server).count("/generate"), paths(server_b).count("/generate")
+    assert a + b == 8 and a >= 2 and b >= 2
+
+
+def test_router_gets_generation_and_workers_get_weights(server, server_b):
+    """With router_url, /generate goes to the router; weight sync and control calls go to the
+    worker URLs (given without a scheme here)."""
+    worker = server.url.removeprefix("http://")
+    with make_engine([worker], router_url=server_b.url + "/") as eng:
+        eng.generate([[1, 2]], 2, SamplingParams(max_new_tokens=2, seed=0))
+        eng.update_weights(FakeSource(seed=10, layers=1, experts=2), version=1)
+        eng.flush_cache()
+    assert paths(server_b) == ["/generate"]
+    assert "/generate" not in paths(server) and "/end_weight_update" in paths(server)
+
+
+# ---- weight sync ----------------------------------------------------------------------------
+
+
+def test_tensor_sync_wraps_buckets_in_begin_end(server):
+    src = FakeSource(seed=1)
+    with make_engine([server.url], weight_sync="tensor", bucket_bytes=4096) as eng:
+        before = eng.generate([[1, 2, 3]], 1, SamplingParams(max_new_tokens=4, seed=3))
+        eng.update_weights(src, version=1)
+        after = eng.generate([[1, 2, 3]], 1, SamplingParams(max_new_tokens=4, seed=3))
+    log = server.log()
+    seq = [e["path"] for e in log if e["path"] != "/server_info"]
+    updates = [e for e in log if e["path"] == "/update_weights_from_tensor"]
+    assert len(updates) >= 3  # several buckets
+    assert seq == (
+        ["/generate", "/begin_weight_update"]
+        + ["/update_weights_from_tensor"] * len(updates)
+        + ["/end_weight_update", "/generate"]
+    )
+    for u in updates:
+        assert len(u["body"]["serialized_named_tensors"]) == 2  # one payload per TP rank
+        assert u["body"]["load_format"] == "flattened_bucket"
+        assert u["body"]["weight_version"] == "1"
+    assert server.weights() == src.expected()
+    assert server.state()["version"] == "1" and not server.state()["session_open"]
+    assert after[0][0].weight_version == 1 and before[0][0].weight_version == 0
+    assert after[0][0].response_ids != before[0][0].response_ids
+
+
+def test_distributed_sync_broadcasts_over_a_real_group(server, server_b):
+    src1, src2 = FakeSource(seed=2), FakeSource(seed=3)
+    with make_engine([server.url, server_b.url], weight_sync="distributed", bucket_bytes=4096,
+                     group_backend="gloo") as eng:  # fmt: skip
+        eng.update_weights(src1, version=1)
+        assert server.weights() == src1.expected() == server_b.weights()
+        eng.update_weights(src2, version=2)
+        assert server.weights() == src2.expected() == server_b.weights()
+        (g,) = eng.generate([[5]], 1, SamplingParams(max_new_tokens=2, seed=0))
+        assert g[0].weight_version == 2
+    for srv, offset in ((server, 1), (server_b, 3)):  # TP 2 then TP 1, after the trainer
+        log = [e for e in srv.log() if e["path"] not in ("/server_info", "/generate")]
+        init = next(e["body"] for e in log if e["path"] == "/init_weights_update_group")
+        assert init["world_size"] == 4 and init["rank_offset"] == offset
+        assert init["backend"] == "gloo"
+        n = sum(1 for e in log if e["path"] == "/update_weights_from_distributed") // 2
+        one = ["/begin_weight_update"] + ["/update_weights_from_distributed"] * n
+        assert [e["path"] for e in log] == (
+            ["/destroy_weights_update_group", "/init_weights_update_group"]  # stale group, new
+            + (one + ["/end_weight_update"]) * 2  # the group is made once
+            + ["/destroy_weights_update_group"]  # close() leaves it
+        )
+        body = next(e["body"] for e in log if e["path"] == "/update_weights_from_distributed")
+        assert body["load_format"] == "flattened_bucket" and body["weight_version"] == "1"
+        assert not srv.state()["groups"]
+
+
+def test_disk_sync_writes_safetensors_and_loads_them(server, tmp_path):
+    base = tmp_path / "hf_model"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    src1, src2 = FakeSource(seed=4), FakeSource(seed=5)
+    with make_engine([server.url], weight_sync="disk", disk_dir=str(tmp_path / "sync"),
+                     disk_base_model_path=str(base), bucket_bytes=8192) as eng:  # fmt: skip
+        eng.update_weights(src1, version=1)
+        assert server.weights() == src1.expected()
+        eng.update_weights(src2, version=2)
+        assert server.weights() == src2.expected()
+    calls = [e for e in server.log() if e["path"] == "/update_weights_from_disk"]
+    assert [c["body"]["weight_version"] for c in calls] == ["1", "2"]
+    first, second = (Path(c["body"]["model_path"]) for c in calls)
+    assert not first.exists() and (second / "config.json").exists()
+    # disk updates are not a begin/end session in sglang 0.5.23 (the loader finalizes itself)
+    assert "/begin_weight_update" not in paths(server)
+
+
+def test_failed_update_raises_with_the_servers_reason(server):
+    server.fault("/update_weights_from_tensor", "weight_fail")
+    with make_engine([server.url]) as eng:
+        with pytest.raises(WeightUpdateError, match="injected shape mismatch") as e:
+            eng.update_weights(FakeSource(seed=6), version=7)
+        assert eng.version == 0  # nothing else is touched
+    assert server.url in str(e.value)
+    assert "/end_weight_update" not in paths(server)  # no finalize over partial weights
+
+
+def test_refused_distributed_bucket_fails_fast(server):
+    with make_engine([server.url], weight_sync="distributed", group_backend="gloo") as eng:
+        server.fault("/update_weights_from_distributed", "weight_fail")
+        t0 = time.monotonic()
+        with pytest.raises(WeightUpdateError, match="injected shape mismatch"):
+            eng.update_weights(FakeSource(seed=7), version=1)
+        assert time.monotonic() - t0 < 20  # not the group timeout
+
+
+def _post_raw(srv, path: str, body: dict) -> tuple[int, bytes]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        srv.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@pytest.mark.parametrize(
+    "path, body, fragment",
+    [
+        # 0.5.23's session rule: tensor updates only between begin and end
+        ("/update_weights_from_tensor",
+         {"serialized_named_tensors": [""], "load_format": "flattened_bucket"},
+         b"begin_weight_update"),
+        # pydantic over io_struct: a required field missing
+        ("/update_weights_from_distributed", {"names": ["w"], "shapes": [[1]]}, b"dtypes"),
+        ("/init_weights_update_group", {"master_address": "h", "master_port": "x"}, b"master_port"),
+        # the /generate JSON contract: `seed` is not SGLang's name for it
+        ("/generate", {"input_ids": [[1]], "sampling_params": [{"seed": 1}]}, b"seed"),
+        # SamplingParams.verify
+        ("/generate", {"input_ids": [[1]], "sampling_params": [{"top_p": 0}]}, b"top_p"),
+        # normalize_batch_and_arguments
+        ("/generate", {"input_ids": [], "sampling_params": {}}, b"input_ids cannot be empty"),
+    ],
+)  # fmt: skip
+def test_test_server_rejects_what_sglang_rejects(server, path, body, fragment):
+    """The stand-in's validation is not vacuous: bodies SGLang refuses get a 400 here too."""
+    status, raw = _post_raw(server, path, body)
+    assert status == 400 and fragment in raw
+
+
+def test_offload_releases_after_generate_and_resumes_when_needed(server):
+    with make_engine([server.url], offload_after_generate=True) as eng:
+        eng.generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
+        assert server.state()["released"] == ["cuda_graph", "kv_cache", "weights"]
+        eng.update_weights(FakeSource(seed=8), version=1)
+        assert server.state()["released"] == ["cuda_graph", "kv_cache"]
+        eng.generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    log = [e for e in server.log() if e["path"] != "/server_info"]
+    seq = [e["path"] for e in log]
+    begin = seq.index("/begin_weight_update")
+    assert seq[begin - 1] == "/resume_memory_occupation"
+    assert log[begin - 1]["body"] == {"tags": ["weights"]}
+    second_gen = len(seq) - 1 - seq[::-1].index("/generate")
+    assert seq[second_gen - 1] == "/resume_memory_occupation"
+    assert log[second_gen - 1]["body"] == {"tags": ["kv_cache", "cuda_graph"]}
+
+
+# ---- control calls ------------------------------------------------------------------------------
+
+
+def test_pause_resume_flush_health(server):
+    with make_engine([server.url], pause_mode="retract") as eng:
+        eng.pause()
+        assert server.state()["paused"]
+        eng.resume()
+        eng.flush_cache()
+        assert eng.health()
+    log = server.log()
+    assert [e["path"] for e in log] == ["/pause_generation", "/continue_generation", "/flush_cache"]
+    assert log[0]["body"] == {"mode": "retract"}
+
+
+def test_abort_all_ends_running_requests_with_abort(server):
+    server.fault("/generate", "hold")
+    with make_engine([server.url]) as eng:
+        out = {}
+        t = threading.Thread(
+            target=lambda: out.update(g=eng.generate([[1, 2]], 1, SamplingParams(seed=1)))
+        )
+        t.start()
+        for _ in range(200):
+            if "/generate" in paths(server):
+                break
+            time.sleep(0.02)
+        eng.abort_all()
+        t.join(timeout=20)
+    assert out["g"][0][0].finish_reason == "abort"
+
+
+# ---- failures -----------------------------------------------------------------------------------
+
+
+def test_5xx_is_retried_then_succeeds(server):
+    server.fault("/generate", "500", count=2)
+    with make_engine([server.url]) as eng:
+        (g,) = eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    assert len(g) == 1 and paths(server).count("/generate") == 3
+
+
+def test_persistent_5xx_gives_up_naming_the_url(server):
+    server.fault("/generate", "500", count=10)
+    with make_engine([server.url]) as eng, pytest.raises(SGLangHTTPError) as e:
+        eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    assert e.value.status == 500 and "injected internal error" in str(e.value)
+    assert f"{server.url}/generate" in str(e.value) and "3 attempts" in str(e.value)
+
+
+def test_dropped_connection_is_retried(server):
+    server.fault("/generate", "close", count=1)
+    with make_engine([server.url]) as eng:
+        (g,) = eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    assert len(g) == 1
+
+
+def test_slow_server_times_out_naming_the_url(server):
+    server.fault("/generate", "slow", delay_s=3.0)
+    eng = make_engine([server.url], request_timeout_s=0.5)
+    with eng, pytest.raises(SGLangTimeoutError, match=r"/generate timed out after 0.5 s") as e:
+        eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    assert server.url in str(e.value)
+
+
+def test_malformed_json_is_a_clear_error(server):
+    server.fault("/generate", "malformed")
+    eng = make_engine([server.url])
+    with eng, pytest.raises(SGLangProtocolError, match="malformed JSON from .*/generate"):
+        eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_attach_to_a_closed_port_fails_naming_the_url():
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(SGLangError, match=f"{url} did not answer GET /health"):
+        make_engine([url], health_timeout_s=0.3)
+
+
+def test_server_that_dies_gives_a_connection_error():
+    srv = fake.start_fake_server(routed_experts=False)
+    eng = make_engine([srv.url])
+    try:
+        srv.stop()
+        assert not eng.health()
+        with pytest.raises(SGLangConnectionError, match=f"cannot reach SGLang server at {srv.url}"):
+            eng.generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    finally:
+        eng.close()
+
+
+def test_api_key_is_sent_and_required():
+    srv = fake.start_fake_server(api_key="s3cret", routed_experts=False, health_delay_s=0.5)
+    try:
+        with make_engine([srv.url], api_key="s3cret") as eng:  # waits for the late /health too
+            assert eng.generate([[1]], 1, SamplingParams(max_new_tokens=1, seed=0))
+            eng.flush_cache()
+        with make_engine([srv.url]) as eng, pytest.raises(SGLangHTTPError) as e:
+            eng.generate([[1]], 1, SamplingParams(max_new_tokens=1, seed=0))
+        assert e.value.status == 401 and "Unauthorized" in str(e.value)
+    finally:
+        srv.stop()
+
+
+def test_missing_routed_experts_names_the_server_flag(server_b):
+    eng = make_engine(
+        [server_b.url], return_routed_experts=True, routed_experts_layers=2, routed_experts_top_k=2
+    )
+    with eng, pytest.raises(SGLangProtocolError, match="--enable-return-routed-experts"):
+        eng.generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
+
+
+def test_launch_waits_for_health_and_stops_the_server(tmp_path):
+    """The launcher end to end, with `python -m sglang.launch_server` swapped for the test
+    server by a fake interpreter that reads the --port flag."""
+    script = tmp_path / "fake_python"
+    script.write_text(
+        "#!/bin/sh\n"
+        'while [ $# -gt 0 ]; do [ "$1" = "--port" ] && PORT=$2; shift; done\n'
+        f'exec {sys.executable} {Path(fake.__file__).resolve()} --port "$PORT" --tp-size 1\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    port = _closed_port()
+    cfg = SGLangEngineConfig(
+        launch=[ServerLaunchConfig(model_path="/nowhere", port=port, python=str(script))],
+        weight_sync="disk", disk_dir=str(tmp_path / "sync"), log_dir=str(tmp_path / "logs"),
+        **FAST,
+    )  # fmt: skip
+    eng = SGLangEngine(cfg)
+    try:
+        assert eng.urls == [f"http://127.0.0.1:{port}"]
+        (g,) = eng.generate([[1, 2]], 2, SamplingParams(max_new_tokens=3, seed=0))
+        assert len(g) == 2
+        eng.update_weights(FakeSource(seed=9, layers=1, experts=2), version=1)
+    finally:
+        eng.close()
+    with pytest.raises(OSError):  # stopped
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
