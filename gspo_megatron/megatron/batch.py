@@ -25,6 +25,10 @@ class TrainSample:
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
     rollout_logprobs: list[float] | None = None
+    # Per response token: 0 drops the token from the loss (e.g. overlong filtering); None = all 1.
+    loss_mask: list[float] | None = None
+    # Per response token importance weights (train/rollout mismatch correction); None = 1.
+    is_weights: list[float] | None = None
     # int32 [prompt_len + response_len - 1, num_moe_layers, top_k]: experts chosen for every
     # consumed token (routing replay); None when not replaying.
     routed_experts: np.ndarray | None = field(default=None, repr=False)
@@ -49,6 +53,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # [b, s]
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None  # [b, s]
     routed_experts: torch.Tensor | None = None  # [b, s, layers, top_k] int32 (CP-local)
     full_length: int = 0  # padded length before the CP split
 
@@ -72,7 +77,7 @@ def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
                 f"maximum sequence length {max_length} (trainer.max_sequence_length)"
             )
         n = len(sample.response_ids)
-        for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_mask", "is_weights"):
             values = getattr(sample, name)
             if values is not None and len(values) != n:
                 raise ValueError(
@@ -164,7 +169,10 @@ def build_microbatch(
         padding_mask[row, :n] = False
         has_label[row, : n - 1] = True
         start = len(s.prompt_ids) - 1
-        loss_mask[row, start : n - 1] = 1.0
+        if s.loss_mask is None:
+            loss_mask[row, start : n - 1] = 1.0
+        else:
+            loss_mask[row, start : n - 1] = torch.tensor(s.loss_mask, dtype=torch.float32)
         if token_advantages:
             values = (
                 s.advantage if isinstance(s.advantage, list) else [s.advantage] * (n - 1 - start)
@@ -203,6 +211,7 @@ def build_microbatch(
         old_logprobs=aligned("old_logprobs"),
         ref_logprobs=aligned("ref_logprobs"),
         rollout_logprobs=aligned("rollout_logprobs"),
+        is_weights=aligned("is_weights"),
         routed_experts=routed,
         full_length=seq_len,
     )
@@ -240,6 +249,7 @@ def split_for_context_parallel(batch: MicroBatch, cp_size: int, cp_rank: int) ->
         old_logprobs=take(batch.old_logprobs),
         ref_logprobs=take(batch.ref_logprobs),
         rollout_logprobs=take(batch.rollout_logprobs),
+        is_weights=take(batch.is_weights),
         routed_experts=take(batch.routed_experts),
         full_length=batch.full_length,
     )

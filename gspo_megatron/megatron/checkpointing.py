@@ -280,3 +280,82 @@ def remove_incomplete(parent: str | Path) -> list[Path]:
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed
+
+
+# -- model weights for either layer spec (added for gspo_megatron.checkpoint) ------------------
+
+EXTRA_STATE_SUFFIX = "._extra_state"
+
+
+def checkpoint_entry_names(path: str | Path) -> set[str]:
+    """Names stored in a torch_dist checkpoint: tensor keys and ShardedObject unique keys."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (Path(path) / ".metadata").is_file():
+        raise CheckpointError(f"{path}: not a torch_dist checkpoint (no .metadata file)")
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def drop_missing_extra_state(sharded_state_dict: dict, stored: set[str], path: str | Path = ""):
+    """The sharded state dict without the `_extra_state` objects the checkpoint lacks.
+
+    transformer-engine modules keep FP8 metadata in `_extra_state` (norms included); the local
+    spec and checkpoints converted from Hugging Face have none for some modules, and a module
+    keeps its default when none is loaded. Any other entry the checkpoint lacks raises
+    CheckpointError naming it. Returns (filtered dict, skipped unique keys).
+    """
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    skipped: list[str] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            out = {}
+            for key, value in node.items():
+                kept = walk(value)
+                if kept is not _DROP:
+                    out[key] = kept
+            return out
+        if isinstance(node, list):
+            return [x for x in (walk(v) for v in node) if x is not _DROP]
+        if isinstance(node, ShardedObject):
+            if node.unique_key in stored:
+                return node
+            if node.key.endswith(EXTRA_STATE_SUFFIX):
+                skipped.append(node.unique_key)
+                return _DROP
+            raise CheckpointError(f"{path}: checkpoint has no object {node.unique_key}")
+        if isinstance(node, ShardedTensor | ShardedTensorFactory) and node.key not in stored:
+            raise CheckpointError(f"{path}: checkpoint has no tensor {node.key}")
+        return node
+
+    return walk(sharded_state_dict), skipped
+
+
+_DROP = object()
+
+
+def load_model_weights(chunks, path: str | Path, model_config: ModelConfig | None = None):
+    """Model weights from a checkpoint of any layout into `chunks`, for either layer spec.
+
+    Like load_engine(..., with_optimizer=False) for the model, but it also accepts checkpoints
+    converted from Hugging Face or written with the other layer spec: `_extra_state` objects the
+    checkpoint lacks are skipped (see drop_missing_extra_state); a missing weight raises. When
+    the chunks belong to a TrainingEngine, call `engine.optimizer.reload_model_params()` after.
+    Returns the checkpoint's gspo metadata ({} for a plain megatron checkpoint). Collective.
+    """
+    path = Path(path)
+    meta = read_meta(path) if is_checkpoint(path) else {}
+    if meta and model_config is not None:
+        check_architecture(path, model_config)
+    sharded, _ = drop_missing_extra_state(
+        model_sharded_state_dict(chunks), checkpoint_entry_names(path), path
+    )
+    loaded = dist_checkpointing.load({"model": sharded}, str(path))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
+    return meta

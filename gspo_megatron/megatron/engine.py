@@ -289,6 +289,7 @@ class TrainingEngine:
                 mb.loss_mask,
                 seq_sum=cp_sum,
                 seq_share=torch.full((lp.shape[0],), seq_share),
+                is_weights=mb.is_weights,
                 # Non-finite values are caught once per step (engine.nonfinite), not per call.
                 check_values=False,
                 **loss.hparams,
@@ -442,10 +443,12 @@ class TrainingEngine:
 
     def _global_denominator(self, samples: Sequence[TrainSample], loss: LossSettings) -> float:
         """D of the normalisation contract over the whole minibatch (known before the forward)."""
+        masks = [s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids)
+                 for s in samples]
         if get_policy_loss(loss.name).denominator == "tokens":
-            total = sum(len(s.response_ids) for s in samples)
+            total = sum(sum(1 for m in mask if m) for mask in masks)
         else:
-            total = sum(1 for s in samples if s.response_ids)
+            total = sum(1 for mask in masks if any(mask))
         return float(max(total, 1))
 
     def _cp_sum(self, partial_sums: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,137 @@
+"""Build the trainer's parts from a validated config: process groups, policy engine (and a frozen
+reference for KL), tokenizer, data, reward scorer, rollout engine and weight sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gspo_megatron.config import ConfigError, RunConfig
+from gspo_megatron.megatron.layout import ParallelLayout
+from gspo_megatron.megatron.model_config import ModelConfig
+
+
+def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, run_dir: Path):
+    from gspo_megatron.data.config import build_datasets
+    from gspo_megatron.data.vocab import check_prompt_ids, check_vocab
+    from gspo_megatron.megatron import parallel
+    from gspo_megatron.rewards.registry import build_scorer
+    from gspo_megatron.trainer import Trainer
+
+    tokenizer = load_run_tokenizer(cfg)
+    check_vocab(tokenizer, model.vocab_size)
+    train_data, eval_data = build_datasets(cfg.data, tokenizer)
+    check_prompt_ids(train_data, model.vocab_size)
+    longest_prompt = max(len(p.prompt_ids) for p in train_data.prompts)
+    if longest_prompt + cfg.rollout.max_new_tokens > cfg.trainer.max_sequence_length:
+        raise ConfigError(
+            f"the longest prompt ({longest_prompt} tokens) plus rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens} exceeds trainer.max_sequence_length="
+            f"{cfg.trainer.max_sequence_length}"
+        )
+    parallel.initialize(layout, seed=cfg.seed)
+    engine = build_policy_engine(cfg, model, layout)
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        reference = build_policy_engine(cfg, model, layout)
+    scorer = build_scorer(cfg.reward)
+    rollout, weight_source = build_rollout(cfg, engine)
+    return Trainer(
+        cfg,
+        engine=engine,
+        rollout=rollout,
+        scorer=scorer,
+        tokenizer=tokenizer,
+        train_data=train_data,
+        eval_data=eval_data,
+        run_dir=run_dir,
+        weight_source=weight_source,
+        reference=reference,
+    )
+
+
+def load_run_tokenizer(cfg: RunConfig):
+    from gspo_megatron.data.tokenizer import load_tokenizer
+
+    source = cfg.model.tokenizer or cfg.model.init_from
+    if source is None:
+        raise ConfigError("model.tokenizer is null and model.init_from gives no HF directory")
+    return load_tokenizer(source)
+
+
+def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout):
+    from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
+
+    t = cfg.trainer
+    engine = TrainingEngine(
+        model,
+        layout,
+        EngineSettings(
+            max_sequence_length=t.max_sequence_length,
+            max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+            nonfinite=t.nonfinite,
+            recompute=t.recompute_activations,
+        ),
+        OptimizerSettings(
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad,
+            warmup_steps=t.warmup_steps,
+            decay_steps=t.steps * cfg.algorithm.num_minibatches
+            if t.decay_style != "constant"
+            else None,
+            decay_style=t.decay_style,
+            distributed_optimizer=t.distributed_optimizer,
+        ),
+    )
+    if cfg.model.init_from:
+        init_weights(engine, cfg.model.init_from)
+    return engine
+
+
+def init_weights(engine, source: str) -> None:
+    """Initial weights from a gspo-megatron checkpoint or a Hugging Face directory."""
+    from gspo_megatron.megatron import checkpointing
+
+    path = Path(source)
+    if checkpointing.is_checkpoint(path):
+        checkpointing.load_engine(engine, path, with_optimizer=False, restore_rng=False)
+        return
+    if (path / "config.json").is_file():
+        from gspo_megatron.checkpoint import load_hf_weights
+
+        load_hf_weights(engine, path)
+        return
+    raise ConfigError(
+        f"model.init_from={source}: neither a gspo-megatron checkpoint ({path}/"
+        "gspo_checkpoint.json) nor a Hugging Face directory (config.json)"
+    )
+
+
+def build_rollout(cfg: RunConfig, engine):
+    """The rollout engine and, for external engines, the weight source it syncs from."""
+    r = cfg.rollout
+    record_routes = cfg.algorithm.routing_replay == "r3"
+    if r.engine == "embedded":
+        from gspo_megatron.rollout.embedded import EmbeddedEngine
+
+        return (
+            EmbeddedEngine(
+                engine,
+                max_batch_tokens=r.max_batch_tokens,
+                record_routes=record_routes,
+                seed=cfg.seed,
+            ),
+            None,
+        )
+    from gspo_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
+    from gspo_megatron.rollout.weight_export import MegatronWeightSource
+
+    try:
+        sglang_cfg = SGLangEngineConfig(**r.sglang)
+    except TypeError as err:
+        raise ConfigError(f"rollout.sglang: {err}") from err
+    return SGLangEngine(sglang_cfg), MegatronWeightSource(engine)

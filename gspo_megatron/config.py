@@ -1,0 +1,366 @@
+"""The run configuration: one typed section per Hydra config group, validated before any work.
+
+Hydra composes conf/config.yaml (groups model/ algorithm/ parallel/ rollout/ data/ reward/
+trainer/ logging/); `resolve()` turns the composed config into these dataclasses, refusing
+unknown keys with their full path, checking every value, and deriving the few values that
+depend on several sections in one place. Nothing here imports megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from gspo_megatron.data.config import DataConfig
+from gspo_megatron.megatron.layout import ParallelLayout
+from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.rewards.registry import RewardConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and what to change."""
+
+
+@dataclass
+class ModelSection:
+    """`model/`: a preset's architecture fields (ModelConfig) plus where to start from.
+
+    name: preset name (informational). init_from: null (random init), a HF checkpoint
+    directory, or a gspo-megatron checkpoint (weights only). tokenizer: "char" (the synthetic
+    tasks' character tokenizer) or a HF tokenizer directory; null uses init_from when it is a HF
+    directory.
+    """
+
+    name: str = "tiny_moe"
+    init_from: str | None = None
+    tokenizer: str | None = "char"
+    architecture: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields
+
+    def model_config(self) -> ModelConfig:
+        try:
+            return ModelConfig(**self.architecture)
+        except TypeError as err:
+            raise ConfigError(f"model: {err}") from err
+
+
+@dataclass
+class ParallelSection:
+    """`parallel/`: degrees of parallelism; dp follows from the number of processes."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+
+    def layout(self, world_size: int) -> ParallelLayout:
+        return ParallelLayout(world_size=world_size, **dataclasses.asdict(self))
+
+
+@dataclass
+class AlgorithmSection:
+    """`algorithm/`: the policy loss and everything that shapes its inputs.
+
+    loss: gspo | gspo_token | grpo | dapo | dr_grpo | sapo | cispo | gmpo. The loss's own
+    hyper-parameters (clip_low, clip_high, clip_c, tau_pos, tau_neg, max_response_length) go
+    in `hparams`; unset ones take the paper defaults (docs/ALGORITHMS.md).
+    advantage: group_mean_std | group_mean; null = the loss's paper estimator.
+    num_minibatches: optimizer steps per rollout batch (the GSPO paper uses 4).
+    old_logprobs: recompute (trainer forward) | rollout (the rollout engine's log-probs).
+    routing_replay: off | r2 (replay the old-policy forward's routes) | r3 (the rollout
+    engine's routes).
+    dynamic_sampling: none | dapo (drop zero-variance groups, refill with more prompts) |
+    dupo (fill their slots with copies of informative groups).
+    overlong_filter: drop truncated responses from the loss. overlong_penalty_length /
+    overlong_penalty_cache: DAPO's soft overlong punishment (Lmax, Lc; 0 = off).
+    mismatch: none | tis | mis (train/rollout correction) at mismatch_level with cap/bounds.
+    kl_coef / kl_estimator: KL to the initial policy (k1 | k2 | k3 | low_var_kl).
+    """
+
+    loss: str = "gspo"
+    hparams: dict[str, Any] = field(default_factory=dict)
+    advantage: str | None = None
+    advantage_eps: float = 1e-6
+    num_minibatches: int = 4
+    old_logprobs: str = "recompute"
+    routing_replay: str = "off"
+    dynamic_sampling: str = "none"
+    max_refill_rounds: int = 4
+    prefilter_solved_prompts: bool = False
+    overlong_filter: bool = False
+    overlong_penalty_length: int = 0
+    overlong_penalty_cache: int = 0
+    mismatch: str = "none"
+    mismatch_level: str = "token"
+    mismatch_cap: float = 2.0
+    mismatch_lower: float = 0.5
+    mismatch_upper: float = 2.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+
+    def loss_hparams(self, max_new_tokens: int) -> dict[str, Any]:
+        """The loss's hyper-parameters; Dr.GRPO's constant defaults to rollout.max_new_tokens."""
+        hparams = {k: v for k, v in self.hparams.items() if v is not None}
+        if self.loss == "dr_grpo":
+            hparams.setdefault("max_response_length", max_new_tokens)
+        return hparams
+
+
+@dataclass
+class RolloutSection:
+    """`rollout/`: how responses are generated.
+
+    engine: embedded (in-process, default) | sglang. prompts_per_step × group_size responses
+    per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens. Evaluation:
+    eval_temperature (0 = greedy) and eval_samples (k of avg@k / pass@k). sglang: keyword
+    arguments of gspo_megatron.rollout.sglang.SGLangEngineConfig.
+    weight_sync_bucket_mb: bucket size of weight updates to external engines.
+    """
+
+    engine: str = "embedded"
+    prompts_per_step: int = 16
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 5
+    eval_temperature: float = 0.0
+    eval_samples: int = 1
+    eval_prompts: int = 64
+    max_batch_tokens: int = 16384
+    weight_sync_bucket_mb: int = 512
+    sglang: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerSection:
+    """`trainer/`: steps, optimizer, batching, schedule of evaluation and checkpoints.
+
+    steps: RL steps (each = one rollout batch and num_minibatches optimizer steps).
+    max_sequence_length: prompt + response tokens; longer samples are an error.
+    max_tokens_per_microbatch: padded tokens per micro-batch.
+    lr ... decay_style: Adam with megatron's distributed optimizer (distributed_optimizer).
+    eval_every / save_every: in RL steps (0 = never; a final checkpoint is always written).
+    keep_last: checkpoints kept. resume: auto (newest complete checkpoint of this run
+    directory) | never | a checkpoint path. allow_different_config: resume a run directory
+    whose saved config differs. nonfinite: skip | raise.
+    """
+
+    steps: int = 600
+    max_sequence_length: int = 64
+    max_tokens_per_microbatch: int = 4096
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_style: str = "constant"
+    distributed_optimizer: bool = True
+    eval_every: int = 10
+    save_every: int = 0
+    keep_last: int = 2
+    resume: str = "auto"
+    allow_different_config: bool = False
+    nonfinite: str = "skip"
+    recompute_activations: bool = False
+
+
+@dataclass
+class LoggingSection:
+    """`logging/`: metrics.jsonl is always written; TensorBoard and W&B optional."""
+
+    progress: bool = True
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "gspo-megatron"
+    moe_route_metrics: bool = True
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+
+_CHOICES = {
+    "algorithm.old_logprobs": ("recompute", "rollout"),
+    "algorithm.routing_replay": ("off", "r2", "r3"),
+    "algorithm.dynamic_sampling": ("none", "dapo", "dupo"),
+    "algorithm.mismatch": ("none", "tis", "mis"),
+    "algorithm.mismatch_level": ("token", "sequence", "geometric"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
+    "rollout.engine": ("embedded", "sglang"),
+    "trainer.nonfinite": ("skip", "raise"),
+    "trainer.decay_style": ("constant", "linear", "cosine"),
+}
+_MODEL_EXTRA_KEYS = {"name", "init_from", "tokenizer"}
+
+
+def resolve(
+    raw: dict[str, Any], world_size: int = 1
+) -> tuple[RunConfig, ModelConfig, ParallelLayout]:
+    """Composed config dict -> validated RunConfig, ModelConfig and ParallelLayout."""
+    raw = dict(raw)
+    raw.pop("hydra", None)
+    model_raw = dict(raw.pop("model", {}) or {})
+    architecture = {k: v for k, v in model_raw.items() if k not in _MODEL_EXTRA_KEYS}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(architecture) - model_fields)
+    if unknown:
+        raise ConfigError(f"unknown config key model.{unknown[0]}")
+    section = {k: v for k, v in model_raw.items() if k in _MODEL_EXTRA_KEYS}
+    cfg = _build(RunConfig, raw, "")
+    cfg.model = ModelSection(**section, architecture=architecture)
+    try:
+        model = cfg.model.model_config()
+        layout = cfg.parallel.layout(world_size)
+        layout.check_model(
+            num_layers=model.num_hidden_layers,
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_key_value_heads,
+            num_experts=model.num_experts if model.is_moe else None,
+        )
+        cfg.data.validate()
+        cfg.reward.validate()
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    _check(cfg, model, layout)
+    return cfg, model, layout
+
+
+def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
+    from gspo_megatron.algorithms.losses import POLICY_LOSSES
+
+    for path, choices in _CHOICES.items():
+        section, key = path.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in choices:
+            raise ConfigError(f"{path}={value!r} is not one of {list(choices)}")
+    alg, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
+    if alg.loss not in POLICY_LOSSES:
+        raise ConfigError(f"algorithm.loss={alg.loss!r} is not one of {sorted(POLICY_LOSSES)}")
+    try:
+        POLICY_LOSSES[alg.loss].resolve_hparams(alg.loss_hparams(rollout.max_new_tokens))
+    except ValueError as err:
+        raise ConfigError(f"algorithm.hparams: {err}") from err
+    if alg.advantage not in (None, "group_mean_std", "group_mean"):
+        raise ConfigError(
+            f"algorithm.advantage={alg.advantage!r}: use group_mean_std, "
+            "group_mean or null (the loss's own)"
+        )
+    if alg.num_minibatches < 1:
+        raise ConfigError("algorithm.num_minibatches must be >= 1")
+    samples = rollout.prompts_per_step * rollout.group_size
+    if samples % alg.num_minibatches:
+        raise ConfigError(
+            f"rollout.prompts_per_step*group_size = {samples} responses must split evenly into "
+            f"algorithm.num_minibatches={alg.num_minibatches}"
+        )
+    if samples // alg.num_minibatches < layout.dp:
+        raise ConfigError(
+            f"each minibatch has {samples // alg.num_minibatches} responses, fewer than the "
+            f"{layout.dp} data-parallel ranks"
+        )
+    if rollout.group_size < 2:
+        raise ConfigError("rollout.group_size must be >= 2 (advantages are relative to a group)")
+    if alg.routing_replay != "off" and not model.is_moe:
+        raise ConfigError("algorithm.routing_replay needs a Mixture-of-Experts model")
+    if (
+        alg.routing_replay == "r3"
+        and rollout.engine == "sglang"
+        and not rollout.sglang.get("return_routed_experts", False)
+    ):
+        raise ConfigError(
+            "algorithm.routing_replay=r3 with SGLang needs "
+            "rollout.sglang.return_routed_experts=true"
+        )
+    if rollout.max_new_tokens < 1:
+        raise ConfigError("rollout.max_new_tokens must be >= 1")
+    if trainer.steps < 1:
+        raise ConfigError("trainer.steps must be >= 1")
+    if trainer.keep_last < 1:
+        raise ConfigError("trainer.keep_last must be >= 1")
+    if alg.kl_coef < 0:
+        raise ConfigError("algorithm.kl_coef must be >= 0")
+    if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
+        alg.overlong_penalty_length
+    ):
+        raise ConfigError(
+            "algorithm.overlong_penalty_cache must be in (0, overlong_penalty_length]"
+        )
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    out = dataclasses.asdict(cfg)
+    model = out.pop("model")
+    out["model"] = {**model.pop("architecture"), **model}
+    return out
+
+
+def _build(cls, raw: Any, path: str):
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise ConfigError(f"unknown config key {where}")
+    values = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        key = f"{path}.{name}" if path else name
+        if dataclasses.is_dataclass(hint) and name != "model":
+            values[name] = _build(hint, value, key)
+        elif name == "model":
+            continue
+        else:
+            values[name] = _coerce(value, hint, key)
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if value is None:
+        if type(None) in args or hint is Any:
+            return None
+        raise ConfigError(f"{key} must not be null")
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return list(value)
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if base is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if base is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if base is float:
+        return float(value)
+    if base is str and not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    return value

@@ -1,0 +1,489 @@
+"""The RL loop (DESIGN.md §2): generate -> score -> advantages -> old log-probs -> train ->
+sync weights -> log, evaluate, checkpoint. Every rank runs this loop; collectives happen inside
+the training and rollout engines, and rank 0 scores, logs and writes files.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.algorithms import (
+    correct_mismatch,
+    dapo_keep_indices,
+    dupo_fill_indices,
+    group_advantages,
+    prefilter_solved_prompts,
+    soft_overlong_penalty,
+)
+from gspo_megatron.algorithms.losses import get_policy_loss
+from gspo_megatron.config import RunConfig
+from gspo_megatron.data.dataset import Prompt
+from gspo_megatron.data.sampler import PromptSampler
+from gspo_megatron.megatron.batch import TrainSample
+from gspo_megatron.megatron.engine import LossSettings, TrainingEngine
+from gspo_megatron.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, WeightSource
+from gspo_megatron.run_files import MetricsLogger, RunCheckpoints
+
+
+@dataclass
+class RolloutBatch:
+    """One step's groups: G responses per prompt, with their rewards and advantages."""
+
+    prompts: list[Prompt]
+    groups: list[list[RolloutSample]]
+    rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [groups, G]
+    advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [groups, G]
+    samples: list[TrainSample] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def flat(self) -> list[RolloutSample]:
+        return [s for group in self.groups for s in group]
+
+
+class Trainer:
+    """Owns the loop; the engines, scorer, tokenizer and data come in as objects (testable)."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        *,
+        engine: TrainingEngine,
+        rollout: RolloutEngine,
+        scorer,
+        tokenizer,
+        train_data,
+        eval_data,
+        run_dir: Path,
+        weight_source: WeightSource | None = None,
+        reference: TrainingEngine | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.rollout = rollout
+        self.scorer = scorer
+        self.tokenizer = tokenizer
+        self.eval_data = eval_data
+        self.weight_source = weight_source
+        self.reference = reference
+        self.rank = dist.get_rank()
+        self.sampler = PromptSampler(
+            train_data,
+            cfg.rollout.prompts_per_step,
+            seed=cfg.seed + cfg.data.seed,
+            shuffle=cfg.data.shuffle,
+        )
+        self.loss = LossSettings(
+            cfg.algorithm.loss,
+            cfg.algorithm.loss_hparams(cfg.rollout.max_new_tokens),
+            kl_coef=cfg.algorithm.kl_coef,
+            kl_estimator=cfg.algorithm.kl_estimator,
+        )
+        self.step = 0
+        self.stop_requested = False
+        self.files = RunCheckpoints(run_dir, cfg, keep_last=cfg.trainer.keep_last)
+        self.log = MetricsLogger(
+            run_dir, cfg, total_steps=cfg.trainer.steps, enabled=self.rank == 0
+        )
+        self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> dict[str, float]:
+        self._install_signal_handlers()
+        self.resume()
+        last: dict[str, float] = {}
+        while self.step < self.cfg.trainer.steps and not self.stop_requested:
+            started = time.perf_counter()
+            timings: dict[str, float] = {}
+            with _timed(timings, "generate"):
+                batch = self.generate()
+            with _timed(timings, "old_logprobs"):
+                self.prepare_training_inputs(batch)
+            with _timed(timings, "train"):
+                train_metrics = self.train_step(batch)
+            with _timed(timings, "sync_weights"):
+                self.sync_weights()
+            self.step += 1
+            timings["step"] = time.perf_counter() - started
+            last = self.step_metrics(batch, train_metrics, timings)
+            if self._due(self.cfg.trainer.eval_every) or self.step == self.cfg.trainer.steps:
+                last.update(self.evaluate())
+            self.log.write(self.step, last)
+            if self._due(self.cfg.trainer.save_every):
+                self.save()
+            self._sync_stop_request()
+        self.save()
+        self.log.summary(last)
+        return last
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def generate(self) -> RolloutBatch:
+        """Rollouts for one step, with rewards and advantages; dynamic sampling fills the batch."""
+        alg = self.cfg.algorithm
+        wanted = self.cfg.rollout.prompts_per_step
+        batch = self._generate_for(self.sampler.next_batch(), step_seed=0)
+        stats = {"sampling/groups_generated": float(len(batch.groups))}
+        if alg.prefilter_solved_prompts:
+            keep = prefilter_solved_prompts(batch.rewards)
+            stats["sampling/solved_groups_dropped"] = float((~keep).sum())
+            batch = _select(batch, torch.nonzero(keep).flatten())
+        if alg.dynamic_sampling == "dapo":
+            kept = _select(batch, dapo_keep_indices(batch.rewards))
+            rounds = 0
+            while len(kept.groups) < wanted and rounds < alg.max_refill_rounds:
+                rounds += 1
+                more = self._generate_for(self.sampler.next_batch(), step_seed=rounds)
+                stats["sampling/groups_generated"] += len(more.groups)
+                more = _select(more, dapo_keep_indices(more.rewards))
+                kept = _concat(kept, more)
+            stats["sampling/refill_rounds"] = float(rounds)
+            batch = _select(kept, torch.arange(min(wanted, len(kept.groups))))
+        elif alg.dynamic_sampling == "dupo":
+            generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
+            fill = dupo_fill_indices(batch.rewards, num_groups=wanted, generator=generator)
+            batch = _select(batch, fill) if fill.numel() else batch
+        stats["sampling/groups_used"] = float(len(batch.groups))
+        stats["sampling/groups_zero_variance"] = float(
+            ((batch.rewards.amax(1) - batch.rewards.amin(1)) == 0).sum()
+        )
+        batch.advantages = self._advantages(batch.rewards)
+        batch.stats.update(stats)
+        return batch
+
+    def _generate_for(self, prompts: list[Prompt], step_seed: int) -> RolloutBatch:
+        r = self.cfg.rollout
+        params = SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            seed=_derive_seed(self.cfg.seed, self.step, step_seed),
+        )
+        started = time.perf_counter()
+        groups = self.rollout.generate([p.prompt_ids for p in prompts], r.group_size, params)
+        batch = RolloutBatch(prompts=list(prompts), groups=groups)
+        batch.stats["time/rollout_generate"] = time.perf_counter() - started
+        batch.rewards = self.score(batch)
+        return batch
+
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        """Rewards [groups, G] (+ DAPO's soft overlong penalty); scored on rank 0."""
+        flat = batch.flat()
+        prompts = [p.prompt for p, g in zip(batch.prompts, batch.groups, strict=True) for _ in g]
+        labels = [p.label for p, g in zip(batch.prompts, batch.groups, strict=True) for _ in g]
+        texts = [self.response_text(s) for s in flat]
+        payload = None
+        if self.rank == 0:
+            scored = self.scorer.score(prompts, texts, labels)
+            payload = (scored.rewards, scored.metrics(prefix="reward/"))
+        payload = _broadcast(payload)
+        rewards = torch.tensor(payload[0], dtype=torch.float32).view(len(batch.groups), -1)
+        batch.stats.update(payload[1])
+        alg = self.cfg.algorithm
+        if alg.overlong_penalty_length:
+            lengths = torch.tensor([len(s.response_ids) for s in flat], dtype=torch.float32)
+            penalty = soft_overlong_penalty(
+                lengths, alg.overlong_penalty_length, alg.overlong_penalty_cache
+            ).view_as(rewards)
+            batch.stats["reward/overlong_penalty_mean"] = float(penalty.mean())
+            rewards = rewards + penalty
+        return rewards
+
+    def response_text(self, sample: RolloutSample) -> str:
+        """What the reward sees: every generated token but the final stop token, so special
+        tokens the policy emits count against it instead of vanishing from the text."""
+        ids = sample.response_ids
+        if sample.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        alg = self.cfg.algorithm
+        estimator = alg.advantage or get_policy_loss(alg.loss).advantage_estimator
+        return group_advantages(
+            rewards, normalize_std=estimator == "group_mean_std", eps=alg.advantage_eps
+        )
+
+    def prepare_training_inputs(self, batch: RolloutBatch) -> None:
+        """TrainSamples with old (and reference) log-probs, routes, masks and IS weights."""
+        alg = self.cfg.algorithm
+        samples = []
+        for group, advs in zip(batch.groups, batch.advantages, strict=True):
+            for sample, adv in zip(group, advs.tolist(), strict=True):
+                mask = None
+                if alg.overlong_filter and sample.finish_reason == "length":
+                    mask = [0.0] * len(sample.response_ids)
+                samples.append(
+                    TrainSample(
+                        prompt_ids=list(sample.prompt_ids),
+                        response_ids=list(sample.response_ids),
+                        advantage=adv,
+                        rollout_logprobs=list(sample.logprobs),
+                        loss_mask=mask,
+                        routed_experts=sample.routed_experts
+                        if alg.routing_replay == "r3"
+                        else None,
+                    )
+                )
+        moe = self.engine.model_config.is_moe
+        record = moe and (alg.routing_replay == "r2" or self.cfg.logging.moe_route_metrics)
+        if alg.old_logprobs == "recompute" or record:
+            result = self.engine.forward(
+                samples, record_routes=record, replay_routes=alg.routing_replay == "r3"
+            )
+            for s, lp in zip(samples, result.logprobs, strict=True):
+                if alg.old_logprobs == "recompute":
+                    s.old_logprobs = lp.tolist()
+            if result.routes is not None:
+                batch.stats.update(_expert_load(result.routes, self.engine.model_config))
+                if alg.routing_replay != "r3":
+                    for s, routes in zip(samples, result.routes, strict=True):
+                        s.routed_experts = routes
+        if alg.old_logprobs == "rollout":
+            for s in samples:
+                s.old_logprobs = list(s.rollout_logprobs)
+        batch.stats.update(_mismatch_stats(samples))
+        if alg.mismatch != "none":
+            self._mismatch_weights(samples, batch)
+        if self.reference is not None:
+            ref = self.reference.forward(samples)
+            for s, lp in zip(samples, ref.logprobs, strict=True):
+                s.ref_logprobs = lp.tolist()
+        batch.samples = samples
+
+    def _mismatch_weights(self, samples: list[TrainSample], batch: RolloutBatch) -> None:
+        alg = self.cfg.algorithm
+        rollout_lp, mask = _pad([s.rollout_logprobs for s in samples])
+        old_lp, _ = _pad([s.old_logprobs for s in samples])
+        correction = correct_mismatch(
+            rollout_lp,
+            mask,
+            old_logprobs=old_lp,
+            mode=alg.mismatch,
+            level=alg.mismatch_level,
+            cap=alg.mismatch_cap,
+            lower=alg.mismatch_lower,
+            upper=alg.mismatch_upper,
+        )
+        weights = correction.is_weights
+        for i, s in enumerate(samples):
+            s.is_weights = weights[i, : len(s.response_ids)].tolist()
+        sums = {k: float(v) for k, v in correction.metric_sums.items()}
+        for key in [k for k in sums if k.endswith("/sum")]:
+            count = sums.get(key.replace("/sum", "/count"))
+            if count:
+                batch.stats[f"mismatch/{key[:-4]}"] = sums[key] / count
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """num_minibatches optimizer steps over the shuffled rollout batch."""
+        alg = self.cfg.algorithm
+        order = list(range(len(batch.samples)))
+        random.Random(_derive_seed(self.cfg.seed, self.step, 101)).shuffle(order)
+        size = len(order) // alg.num_minibatches
+        per_step: list[dict[str, float]] = []
+        for k in range(alg.num_minibatches):
+            minibatch = [batch.samples[i] for i in order[k * size : (k + 1) * size]]
+            per_step.append(
+                self.engine.train_step(
+                    minibatch, self.loss, replay_routes=alg.routing_replay != "off"
+                )
+            )
+        merged = {
+            key: float(np.mean([m[key] for m in per_step if key in m])) for key in per_step[0]
+        }
+        merged["skipped_steps"] = float(sum(m.get("skipped", 0.0) for m in per_step))
+        merged.pop("skipped", None)
+        merged.pop("num_microbatches", None)
+        merged["lr"] = per_step[-1]["lr"]
+        return merged
+
+    def sync_weights(self) -> None:
+        self.rollout.update_weights(self.weight_source, version=self.step + 1)
+
+    def evaluate(self) -> dict[str, float]:
+        """avg@k reward, pass@1 and pass@k on the held-out prompts."""
+        if self.eval_data is None or len(self.eval_data) == 0:
+            return {}
+        r = self.cfg.rollout
+        prompts = list(self.eval_data.prompts[: r.eval_prompts])
+        params = SamplingParams(
+            temperature=r.eval_temperature,
+            top_p=1.0,
+            top_k=-1,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
+            seed=_derive_seed(self.cfg.seed, -1, 0),
+        )
+        groups = self.rollout.generate([p.prompt_ids for p in prompts], r.eval_samples, params)
+        batch = RolloutBatch(prompts=prompts, groups=groups)
+        rewards = self.score(batch)
+        solved = rewards >= 1.0
+        return {
+            f"eval/avg@{r.eval_samples}": float(rewards.mean()),
+            "eval/pass@1": float(solved.float().mean()),
+            f"eval/pass@{r.eval_samples}": float(solved.any(dim=1).float().mean()),
+        }
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def step_metrics(
+        self, batch: RolloutBatch, train: dict[str, float], timings: dict[str, float]
+    ) -> dict[str, float]:
+        flat = batch.flat()
+        lengths = np.array([len(s.response_ids) for s in flat], dtype=np.float64)
+        gen_tokens = float(lengths.sum())
+        train_tokens = float(sum(s.length for s in batch.samples)) * 1.0
+        metrics: dict[str, float] = {
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/std": float(batch.rewards.std()) if batch.rewards.numel() > 1 else 0.0,
+            "reward/accuracy": float((batch.rewards >= 1.0).float().mean()),
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/truncated_fraction": float(
+                np.mean([s.finish_reason == "length" for s in flat])
+            ),
+            "advantage/abs_mean": float(batch.advantages.abs().mean()),
+            "perf/rollout_tokens_per_s": gen_tokens / max(timings["generate"], 1e-9),
+            "perf/train_tokens_per_s": train_tokens / max(timings["train"], 1e-9),
+        }
+        metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train.items()})
+        metrics.update({f"time/{k}": v for k, v in timings.items()})
+        metrics.update(batch.stats)
+        return metrics
+
+    # -- checkpoints and signals ---------------------------------------------------------------
+
+    def save(self) -> None:
+        state = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "metrics_lines": self.log.lines_written,
+        }
+        self.files.save(self.engine, self.step, state)
+
+    def resume(self) -> None:
+        state = self.files.resume(self.engine, self.cfg.trainer.resume)
+        if state is None:
+            self.log.note("starting from step 0")
+            return
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.log.truncate(int(state.get("metrics_lines", self.step)))
+        self.log.note(f"resumed at step {self.step}")
+        self.rollout.update_weights(self.weight_source, version=self.step)
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self.stop_requested = True
+            self.log.note(f"signal {signal.Signals(signum).name}: checkpointing after this step")
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+    def _sync_stop_request(self) -> None:
+        # Any rank that got the signal stops all ranks at the same step.
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stop_requested = bool(flag.item())
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+    def close(self) -> None:
+        self.log.close()
+        self.scorer.close()
+        self.rollout.close()
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+class _timed:
+    def __init__(self, sink: dict[str, float], key: str) -> None:
+        self.sink, self.key = sink, key
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.sink[self.key] = self.sink.get(self.key, 0.0) + time.perf_counter() - self.start
+
+
+def _derive_seed(seed: int, step: int, salt: int) -> int:
+    """Per-step sampling seeds derived from the run seed (resumed runs draw the same ones)."""
+    return (seed * 1_000_003 + (step + 1) * 7919 + salt * 104_729) % (2**31 - 1)
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _select(batch: RolloutBatch, index: torch.Tensor) -> RolloutBatch:
+    idx = [int(i) for i in index]
+    out = RolloutBatch(
+        prompts=[batch.prompts[i] for i in idx],
+        groups=[batch.groups[i] for i in idx],
+        rewards=batch.rewards[idx] if idx else batch.rewards[:0],
+    )
+    out.stats = dict(batch.stats)
+    return out
+
+
+def _concat(a: RolloutBatch, b: RolloutBatch) -> RolloutBatch:
+    out = RolloutBatch(
+        prompts=a.prompts + b.prompts,
+        groups=a.groups + b.groups,
+        rewards=torch.cat([a.rewards, b.rewards]),
+    )
+    out.stats = {**a.stats, **b.stats}
+    return out
+
+
+def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(r) for r in rows)
+    values = torch.zeros(len(rows), longest, dtype=torch.float64)
+    mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        values[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
+        mask[i, : len(r)] = True
+    return values, mask
+
+
+def _mismatch_stats(samples: Sequence[TrainSample]) -> dict[str, float]:
+    """Rollout-engine vs training-engine log-probs of the same tokens (old policy)."""
+    diffs = [
+        np.abs(np.asarray(s.rollout_logprobs) - np.asarray(s.old_logprobs))
+        for s in samples
+        if s.old_logprobs is not None and s.rollout_logprobs is not None
+    ]
+    if not diffs:
+        return {}
+    flat = np.concatenate(diffs)
+    return {
+        "mismatch/logprob_abs_diff_mean": float(flat.mean()),
+        "mismatch/logprob_abs_diff_max": float(flat.max()),
+    }
+
+
+def _expert_load(routes: Sequence[np.ndarray], model) -> dict[str, float]:
+    """Load imbalance: per layer, the busiest expert's share over the mean share (1 = balanced)."""
+    stacked = np.concatenate([r.reshape(r.shape[0], r.shape[1], -1) for r in routes], axis=0)
+    worst = 0.0
+    for layer in range(stacked.shape[1]):
+        counts = np.bincount(stacked[:, layer].reshape(-1), minlength=model.num_experts)
+        worst = max(worst, float(counts.max() / max(counts.mean(), 1e-9)))
+    return {"moe/max_expert_load_over_mean": worst}
