@@ -15,7 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from gspo_megatron.config import ConfigError, resolve
 
-
 # Messages megatron-core and torch print on every CPU run that say nothing about this run.
 _LIBRARY_NOISE = (
     "Apex is not installed",
