@@ -190,7 +190,10 @@ class Trainer:
             payload = (scored.rewards, scored.metrics(prefix="reward/"))
         payload = _broadcast(payload)
         rewards = torch.tensor(payload[0], dtype=torch.float32).view(len(batch.groups), -1)
-        batch.stats.update(payload[1])
+        stats = dict(payload[1])
+        if "reward/time_s" in stats:
+            stats["time/score"] = stats.pop("reward/time_s")
+        batch.stats.update(stats)
         alg = self.cfg.algorithm
         if alg.overlong_penalty_length:
             lengths = torch.tensor([len(s.response_ids) for s in flat], dtype=torch.float32)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.abc
 import importlib.metadata
+import importlib.util
 import sys
 import types
 
@@ -46,24 +48,57 @@ def check_megatron_version() -> None:
 
 
 def apply() -> bool:
-    """Install the CPU shims if CUDA is unavailable. Idempotent. Returns whether they are active."""
+    """Install the CPU shims if CUDA is unavailable. Idempotent. Returns whether they are active.
+
+    The torch-level shims are installed at once; the megatron-level ones run right after
+    `megatron.core` is first imported (by whichever module imports it), so importing the
+    config-only modules of this package does not load megatron.
+    """
     global _applied
     check_megatron_version()
-    if cuda_available():
-        _fix_optimizer_fallback_path()
-        return False
     if _applied:
-        return True
-    if "megatron.core" in sys.modules and not _applied:
+        return not cuda_available()
+    if "megatron.core" in sys.modules:
         raise RuntimeError(
             "gspo_megatron.megatron.cpu_compat.apply() must run before megatron.core is imported"
         )
+    _applied = True
+    if cuda_available():
+        _after_import("megatron.core", _fix_optimizer_fallback_path)
+        return False
     _stub_triton_only_modules()
     _redirect_torch_cuda()
-    _applied = True
-    _patch_megatron()
-    _fix_optimizer_fallback_path()
+    _after_import("megatron.core", lambda: (_patch_megatron(), _fix_optimizer_fallback_path()))
     return True
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback once a given module has finished executing on its first import."""
+
+    def __init__(self, name: str, callback) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        original = spec.loader.exec_module
+        callback = self.callback
+
+        def exec_module(module):
+            original(module)
+            callback()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name: str, callback) -> None:
+    sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,7 +258,6 @@ _MODULES_WITH_CUDA_FACTORIES = (
 
 
 def _patch_megatron() -> None:
-    importlib.import_module("megatron.core")
     cpu_torch = _CpuDeviceTorch()
     for name in _MODULES_WITH_CUDA_FACTORIES:
         module = importlib.import_module(name)

@@ -443,8 +443,9 @@ class TrainingEngine:
 
     def _global_denominator(self, samples: Sequence[TrainSample], loss: LossSettings) -> float:
         """D of the normalisation contract over the whole minibatch (known before the forward)."""
-        masks = [s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids)
-                 for s in samples]
+        masks = [
+            s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids) for s in samples
+        ]
         if get_policy_loss(loss.name).denominator == "tokens":
             total = sum(sum(1 for m in mask if m) for mask in masks)
         else:
