@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+# Size of one float32 [chunk tokens x local vocabulary] buffer; a chunk needs about three.
+DEFAULT_CHUNK_BYTES = 8 * 2**20
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -46,15 +47,15 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 zmax = torch.full((end - start,), -torch.inf, device=z.device)
             if group is not None:
                 dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-            exp = torch.exp(z - zmax[:, None])
             if valid_local:
                 target_logit = z.gather(1, local_targets[start:end, None]).squeeze(1)
                 target_logit = torch.where(in_shard[start:end], target_logit, 0.0)
             else:
                 target_logit = torch.zeros(end - start, device=z.device)
+            exp = (z - zmax[:, None]).exp_()
             parts = [exp.sum(-1), target_logit]
             if with_entropy:
-                parts.append((exp * z).sum(-1))
+                parts.append(torch.linalg.vecdot(exp, z))
             sums = torch.stack(parts)
             if group is not None:
                 dist.all_reduce(sums, group=group)
@@ -77,25 +78,29 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, local_targets, in_shard, lse_all, mean_z_all = ctx.saved_tensors
         valid = ctx.valid_local
-        grad_logits = torch.zeros_like(logits)
+        grad_logits = torch.empty_like(logits)
+        grad_logits[:, valid:] = 0
         n = logits.shape[0]
         if grad_logprobs is None:
             grad_logprobs = torch.zeros(n, dtype=torch.float32, device=logits.device)
         use_entropy = ctx.with_entropy and grad_entropy is not None
         for start in range(0, n, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n)
-            z = logits[start:end, :valid].float()
-            p = torch.exp(z - lse_all[start:end, None])
-            g_lp = grad_logprobs[start:end, None]
-            # d logprob_t / dz = onehot(t) - p
-            grad = -p * g_lp
+            z = logits[start:end, :valid].to(torch.float32, copy=True)  # modified in place below
+            p = (z - lse_all[start:end, None]).exp_()
+            # d logprob_t / dz = onehot(t) - p;  d H / dz = -p * (z - E_p[z]). Both terms share
+            # the factor -p: grad = -p * (g_lp + g_H * (z - E_p[z])) + onehot(t) * g_lp,
+            # built in place in the two float32 chunk buffers.
             if use_entropy:
-                # d H / dz = -p * (z - E_p[z])
-                grad -= p * (z - mean_z_all[start:end, None]) * grad_entropy[start:end, None]
+                factor = z.sub_(mean_z_all[start:end, None]).mul_(grad_entropy[start:end, None])
+                factor.add_(grad_logprobs[start:end, None])
+            else:
+                factor = grad_logprobs[start:end, None]
+            grad = p.mul_(factor).neg_()
             rows = torch.nonzero(in_shard[start:end]).squeeze(1)
-            grad[rows, local_targets[start:end][rows]] += g_lp[rows, 0]
-            grad_logits[start:end, :valid] = grad.to(grad_logits.dtype)
-            del z, p, grad
+            grad[rows, local_targets[start:end][rows]] += grad_logprobs[start:end][rows]
+            grad_logits[start:end, :valid] = grad
+            del z, p, grad, factor
         return grad_logits, None, None, None, None, None, None
 
 
@@ -122,7 +127,7 @@ def vocab_parallel_logprobs(
     valid_local = max(0, min(v_local, vocab_size - vocab_start))
     lead_shape = logits.shape[:-1]
     flat = logits.reshape(-1, v_local)
-    chunk_tokens = max(1, chunk_bytes // (4 * max(v_local, 1) * 3))
+    chunk_tokens = max(1, chunk_bytes // (4 * max(v_local, 1)))
     logprobs, entropy = _VocabParallelLogProbs.apply(
         flat, targets.reshape(-1), vocab_start, valid_local, group, chunk_tokens, with_entropy
     )

@@ -1,0 +1,198 @@
+"""Training-engine overheads, measured side by side in one run (CPU, one process).
+
+    python benchmarks/bench_engine.py [--steps 12] [--tokens 4096] [--vocab 151936]
+
+1. Step time: one GSPO optimizer step vs one plain cross-entropy step (megatron's
+   vocab_parallel_cross_entropy) on the same tokens, same model, same schedule and optimizer;
+   alternated, median ratio (goal <= 1.05x).
+2. Memory of per-token log-probs + entropy at a Qwen3 vocabulary, each variant in a fresh
+   subprocess measuring its peak RSS above the logits it was given: our chunked computation vs
+   a plain float32 log_softmax, relative to the size of the (bf16) logits tensor (goal: our extra
+   <= 10% of the logits; the backward's gradient w.r.t. the logits, the same size as the logits
+   and needed by any method, is reported apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def step_times(steps: int) -> None:
+    import torch
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from gspo_megatron.megatron import parallel
+    from gspo_megatron.megatron.batch import TrainSample
+    from gspo_megatron.megatron.engine import (
+        EngineSettings,
+        LossSettings,
+        OptimizerSettings,
+        TrainingEngine,
+    )
+    from gspo_megatron.megatron.layout import ParallelLayout
+    from gspo_megatron.megatron.model_config import load_preset
+
+    layout = ParallelLayout()
+    parallel.initialize(layout, seed=0)
+    model = load_preset(
+        "tiny_moe",
+        hidden_size=256,
+        num_hidden_layers=4,
+        vocab_size=8192,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        moe_intermediate_size=256,
+        num_experts=8,
+        make_vocab_size_divisible_by=128,
+        max_position_embeddings=1024,
+    )
+    engine = TrainingEngine(
+        model,
+        layout,
+        EngineSettings(max_sequence_length=512, max_tokens_per_microbatch=4096),
+        OptimizerSettings(lr=1e-5),
+    )
+    rng = random.Random(0)
+    samples = []
+    for _ in range(32):
+        prompt = [rng.randrange(8192) for _ in range(rng.randint(32, 96))]
+        response = [rng.randrange(8192) for _ in range(rng.randint(64, 384))]
+        samples.append(TrainSample(prompt, response, advantage=rng.gauss(0, 1)))
+    for s, lp in zip(samples, engine.forward(samples).logprobs, strict=True):
+        s.old_logprobs = (lp + 0.01).tolist()
+
+    def gspo_step() -> None:
+        engine.train_step(samples, LossSettings("gspo"))
+
+    def ce_step() -> None:
+        # Same schedule, model and optimizer; megatron's cross-entropy as the loss.
+        def loss_fn(mb, logits):
+            ce = vocab_parallel_cross_entropy(logits.float(), mb.labels)
+            loss = (ce * mb.loss_mask).sum() / mb.loss_mask.sum()
+            return loss, torch.tensor(1), {}
+
+        for m in engine.model:
+            m.zero_grad_buffer()
+        engine.optimizer.zero_grad()
+        engine._run_schedule(samples, loss_fn, forward_only=False, token_advantages=False)
+        engine.optimizer.step()
+
+    ratios, gspo_s, ce_s = [], [], []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        gspo_step()
+        t1 = time.perf_counter()
+        ce_step()
+        t2 = time.perf_counter()
+        if i >= 2:  # warm-up
+            gspo_s.append(t1 - t0)
+            ce_s.append(t2 - t1)
+            ratios.append((t1 - t0) / (t2 - t1))
+    tokens = sum(s.length for s in samples)
+    print(f"step time ({len(ratios)} alternated pairs, {tokens} tokens, vocab 8192, CPU):")
+    print(f"  gspo step          {statistics.median(gspo_s):8.3f} s")
+    print(f"  cross-entropy step {statistics.median(ce_s):8.3f} s")
+    print(f"  ratio gspo / ce    {statistics.median(ratios):8.3f}x  (goal <= 1.05x)")
+    parallel.destroy()
+
+
+def memory_probe(variant: str, tokens: int, vocab: int) -> None:
+    """Runs in a fresh process: peak RSS growth of one log-prob + entropy computation."""
+    import torch
+
+    from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
+
+    torch.manual_seed(0)
+    logits = (torch.randn(tokens, vocab, dtype=torch.bfloat16)).requires_grad_(True)
+    targets = torch.randint(0, vocab, (tokens,))
+    base = _rss_peak()
+    if variant == "chunked":
+        lp, ent = vocab_parallel_logprobs(logits, targets, vocab_size=vocab)
+    else:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        lp = logp.gather(1, targets[:, None]).squeeze(1)
+        ent = -(logp.exp() * logp).sum(-1)
+    forward_peak = _rss_peak()
+    (lp.sum() + ent.sum()).backward()
+    backward_peak = _rss_peak()
+    print(
+        json.dumps(
+            {
+                "forward": forward_peak - base,
+                "backward": backward_peak - base,
+                "logits": logits.numel() * logits.element_size(),
+            }
+        )
+    )
+
+
+def _rss_peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory(tokens: int, vocab: int) -> None:
+    results = {}
+    for variant in ("chunked", "plain"):
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--probe",
+                variant,
+                "--tokens",
+                str(tokens),
+                "--vocab",
+                str(vocab),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+    logits = results["chunked"]["logits"]
+    print(
+        f"log-probs + entropy memory ({tokens} tokens x vocab {vocab}, bf16 logits "
+        f"{logits / 2**20:.0f} MiB):"
+    )
+    for variant, r in results.items():
+        beyond_grad = r["backward"] - logits  # the gradient w.r.t. the logits
+        print(
+            f"  {variant:<8} forward extra {r['forward'] / logits:6.1%} of logits, "
+            f"backward extra beyond the logits' gradient {beyond_grad / logits:6.1%}"
+        )
+    print("  goal: chunked extra <= 10% of the logits, forward and backward")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--probe", choices=["chunked", "plain"])
+    parser.add_argument("--skip-steps", action="store_true")
+    args = parser.parse_args()
+    if args.probe:
+        memory_probe(args.probe, args.tokens, args.vocab)
+        return 0
+    memory(args.tokens, args.vocab)
+    if not args.skip_steps:
+        step_times(args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
