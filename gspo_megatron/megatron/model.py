@@ -70,8 +70,10 @@ def transformer_config(
         # two-stage interleaved pipeline the two directions swap same-shaped messages; megatron's
         # unbatched path keeps the directions on separate process groups.
         batch_p2p_comm=on_gpu,
-        # Micro-batches differ in padded length; the pipeline communicates shapes first.
+        # Micro-batches differ in padded length; the pipeline communicates shapes first (which
+        # megatron refuses with its default allgather dispatcher, even for dense models).
         variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",
         # Weights are drawn on CPU as full tensors and then split, so a model initialised from
         # the same seed has the same weights on every TP/EP layout.
         use_cpu_initialization=True,
@@ -99,7 +101,6 @@ def transformer_config(
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=model.router_aux_loss_coef,
             moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=transformer_engine_available(),
             moe_permute_fusion=False,
         )

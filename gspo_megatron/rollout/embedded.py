@@ -1,0 +1,487 @@
+"""The embedded rollout engine: generation in-process from the trainer's own megatron model.
+
+No weight copy: the engine holds the `TrainingEngine` and reads its model chunk's parameters,
+so `update_weights(None, version)` only tags later samples with the new version. It is the
+default engine of every CPU run and test.
+
+Two decoders run the model with a KV cache (gspo_megatron/rollout/decoders.py):
+  * "torch" (default when the model is not split: tp = ep = etp = 1): the Qwen3(-MoE) forward as
+    plain torch ops over the same parameter tensors. megatron's module overhead costs ~3.5 ms per
+    decode step on CPU even for a two-layer model; this path is ~4x faster per step and is
+    checked against `GPTModel.forward` when the engine is built (log-probs within 1e-5 in fp32,
+    else the engine falls back to megatron's path, or refuses with backend="torch").
+  * "megatron": `GPTModel.forward` with megatron's `StaticInferenceContext`; every layout the
+    engine accepts (TP with or without sequence parallelism, EP, ETP, DP).
+
+How a generate call runs
+  * The `len(prompts) * n` sequences are split into contiguous shares, one per data-parallel
+    replica; every tensor-parallel rank of a replica runs the same share, and the results are
+    gathered so that every rank returns all samples.
+  * A replica sorts its share by prompt length and cuts it into batches of at most
+    `max_batch_tokens` KV-cache slots (rows * (longest prompt + longest budget)).
+  * Rows share cache slots. The torch decoder left-pads the prompts so all responses start at
+    the same slot, with per-row RoPE positions and the padding slots masked out as keys. The
+    megatron decoder cannot mask (megatron's static cache gives every row the same positions),
+    so prompts start at slot 0 and a row whose prompt is longer than the current slot is fed
+    its next prompt token instead of a sample (megatron's own static scheme). Either way each
+    real token sees exactly the positions and keys of a no-cache forward.
+  * The common prompt prefix is prefilled once per distinct prompt, and its cache rows copied
+    to the prompt's n samples. Finished rows are dropped from the batch and the cache once a
+    quarter of the rows are finished, so early stops do not cost compute.
+
+Sampling (SGLang's conventions; gspo_megatron/rollout/sampling.py) and the reported log-probs
+  * temperature 0: greedy (argmax); the log-prob is that of the unprocessed model distribution
+    (softmax of the logits), since the point mass actually sampled from would report 0.
+  * otherwise: logits / temperature; top-k keeps the k largest; top-p keeps the smallest prefix
+    of the descending-sorted softmax(logits / temperature) whose mass reaches top_p (computed on
+    the full distribution, as SGLang does, then intersected with top-k). The token is drawn from
+    the renormalised kept distribution and its log-prob under that distribution is reported. At
+    temperature 1 without top-k/top-p this is log_softmax of the model's logits, the quantity
+    `TrainingEngine.forward` recomputes (measured difference ~5e-7 in fp32).
+  * The padded vocabulary rows beyond `vocab_size` are never sampled and excluded everywhere.
+  * A stop token ends a response (it is kept in `response_ids`, finish_reason "stop"); a response
+    that reaches `max_new_tokens`, or the trainer's `max_sequence_length` for prompt+response,
+    ends with finish_reason "length".
+
+Determinism: every sequence draws its randomness from its own generator seeded by
+(seed, prompt index * n + sample index), one uniform per response position (inverse-CDF
+sampling). With the same seed, prompts and n, the samples are therefore the same whatever
+`max_batch_tokens`, the batch order, the decoder or the data-parallel size - up to
+floating-point differences of the logits between batch shapes, decoders or TP degrees (~1e-7),
+which can flip a token only when a uniform falls that close to a CDF boundary. `seed=None`
+derives a seed from the engine's `seed` and a per-engine call counter (the same on every rank,
+reproducible run to run).
+
+Layouts: tensor parallelism (sequence parallelism is switched off while generating; logits are
+gathered over TP so every TP rank samples the same tokens), data parallelism, expert parallelism
+(replicas step in lock-step, idle ones with dummy forwards, so the MoE all-to-alls match) and
+their combinations. Pipeline and context parallelism are refused: use the SGLang engine there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.inference.utils import InferenceMode
+
+from gspo_megatron.rollout.decoders import (
+    MegatronDecoder,
+    TorchDecoder,
+    check_against,
+    torch_decoder_unsupported,
+)
+from gspo_megatron.rollout.engine import RolloutSample, SamplingParams, WeightSource
+from gspo_megatron.rollout.sampling import sample_tokens, sequence_seed, sequence_uniforms
+
+if TYPE_CHECKING:
+    from gspo_megatron.megatron.engine import TrainingEngine
+
+_SEQUENCE_PARALLEL_ATTRS = (
+    "sequence_parallel",
+    "scatter_to_sequence_parallel",
+    "reduce_scatter_embeddings",
+)
+
+
+@dataclass
+class _Sequence:
+    key: int  # prompt index * n + sample index: the sample's place in the call's output
+    prompt: list[int]
+    budget: int  # response tokens allowed
+
+
+class _Batch:
+    """One batch of sequences generated together with a static KV cache.
+
+    Sequences live in "slots" (cache positions shared by all rows). Row b's prompt fills slots
+    start[b] .. first[b]-1 and its response first[b] .. ; with a left-padding decoder the
+    prompts are right-aligned (every response starts at the same slot), otherwise they start at
+    slot 0 and rows with longer prompts are fed their own prompt tokens while others sample.
+    """
+
+    def __init__(
+        self, engine: EmbeddedEngine, seqs: list[_Sequence], params: SamplingParams, seed: int
+    ) -> None:
+        self.engine = engine
+        self.decoder = engine.decoder
+        self.seqs = seqs
+        self.params = params
+        device = engine.device
+        rows = len(seqs)
+        lengths = [len(s.prompt) for s in seqs]
+        longest = max(lengths)
+        starts = [longest - n if self.decoder.left_pad else 0 for n in lengths]
+        self.total = max(b + n + s.budget for b, n, s in zip(starts, lengths, seqs, strict=True))
+        tokens = [
+            [0] * b + s.prompt + [0] * (self.total - b - len(s.prompt))
+            for b, s in zip(starts, seqs, strict=True)
+        ]
+        self.tokens = torch.tensor(tokens, dtype=torch.long, device=device)
+        self.start = torch.tensor(starts, dtype=torch.long, device=device)
+        self.first = self.start + torch.tensor(lengths, device=device)
+        self.end = self.first + torch.tensor([s.budget for s in seqs], device=device)
+        self.logprobs = torch.zeros(rows, self.total, dtype=torch.float32, device=device)
+        # one uniform per response position; a fixed count keeps rows independent of batching
+        uniforms = sequence_uniforms(seed, [s.key for s in seqs], params.max_new_tokens)
+        self.uniforms = uniforms.to(device)
+        self.rows = torch.arange(rows, device=device)  # batch row -> index into self.seqs
+        self.alive = torch.ones(rows, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+        stop_ids = sorted(set(params.stop_token_ids))
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        self.routes = None
+        if engine.record_routes:
+            layers, topk = engine.route_shape
+            shape = (rows, self.total, layers, topk)
+            self.routes = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.results: dict[int, RolloutSample] = {}  # sequence key -> sample
+
+    def run(self) -> Iterator[None]:
+        """Yields before every model forward (the lock-step driver counts forwards)."""
+        self.decoder.start(self.start, self.total)
+        yield
+        slot = int(self.first.min())
+        logits = self._prefill(slot)
+        while True:
+            self._choose(slot, logits)
+            if self._finish_rows(slot):
+                return
+            yield
+            logits = self._forward(self.tokens[:, slot : slot + 1], slot)
+            slot += 1
+
+    def _prefill(self, length: int) -> torch.Tensor:
+        """Prefill slots [0, length) once per distinct prompt prefix, then copy cache rows."""
+        prefix = self.tokens[:, :length]
+        keyed = torch.cat([self.start[:, None], prefix], dim=1)
+        unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
+        if unique.shape[0] == prefix.shape[0]:
+            return self._forward(prefix, 0)
+        firsts = torch.zeros(unique.shape[0], dtype=torch.long, device=prefix.device)
+        firsts[inverse] = torch.arange(prefix.shape[0], device=prefix.device)
+        self.decoder.select_rows(firsts)
+        logits = self._forward(prefix[firsts], 0)
+        self.decoder.select_rows(inverse)
+        if self.routes is not None:
+            self.routes[:, :length] = self.routes[inverse, :length]
+        return logits[inverse]
+
+    def _forward(self, tokens: torch.Tensor, offset: int) -> torch.Tensor:
+        """Feed tokens [b, s] at positions offset.. ; return float32 logits [b, vocab]."""
+        logits, routes = self.decoder.forward(tokens, offset)
+        if self.routes is not None:
+            rows, length = tokens.shape
+            self.routes[:rows, offset : offset + length] = routes.to(torch.int32)
+        return logits
+
+    def _choose(self, slot: int, logits: torch.Tensor) -> None:
+        """The token at `slot` of every row: its prompt token, or a sample from `logits`."""
+        rel = (slot - self.first).clamp_(min=0, max=self.uniforms.shape[1] - 1)
+        tokens, logp = sample_tokens(logits, self.params, self.uniforms[self.rows, rel])
+        sampled = (slot >= self.first) & self.alive
+        self.tokens[:, slot] = torch.where(sampled, tokens, self.tokens[:, slot])
+        self.logprobs[:, slot] = logp
+        if self.stop_ids.numel():
+            self.stopped |= sampled & torch.isin(tokens, self.stop_ids)
+
+    def _finish_rows(self, slot: int) -> bool:
+        """Emit rows that stopped or reached their length; return True when all are done."""
+        was_alive = self.alive
+        self.alive = was_alive & ~self.stopped & (slot + 1 < self.end)
+        done = was_alive & ~self.alive
+        if bool(done.any()):
+            self._emit(done.nonzero().flatten(), slot + 1)
+        alive = int(self.alive.sum())
+        if alive == 0:
+            return True
+        if alive <= 0.75 * self.alive.numel():
+            self._compact(self.alive.nonzero().flatten())
+        return False
+
+    def _emit(self, done: torch.Tensor, end: int) -> None:
+        """Rows `done` are complete up to slot `end` (exclusive): make their samples."""
+        tokens = self.tokens[done, :end].cpu()
+        logprobs = self.logprobs[done, :end].cpu()
+        routes = self.routes[done, : end - 1].cpu() if self.routes is not None else None
+        index = zip(
+            self.rows[done].tolist(),
+            self.start[done].tolist(),
+            self.first[done].tolist(),
+            self.stopped[done].tolist(),
+            strict=True,
+        )
+        for i, (seq, start, first, stopped) in enumerate(index):
+            s = self.seqs[seq]
+            self.results[s.key] = RolloutSample(
+                prompt_ids=list(s.prompt),
+                response_ids=tokens[i, first:].tolist(),
+                logprobs=logprobs[i, first:].tolist(),
+                finish_reason="stop" if stopped else "length",
+                weight_version=self.engine.weight_version,
+                routed_experts=None if routes is None else routes[i, start:].numpy().copy(),
+            )
+
+    def _compact(self, keep: torch.Tensor) -> None:
+        """Drop finished rows from the batch state and the KV cache."""
+        for name in ("tokens", "logprobs", "start", "first", "end", "rows", "alive", "stopped"):
+            setattr(self, name, getattr(self, name)[keep])
+        if self.routes is not None:
+            self.routes = self.routes[keep]
+        self.decoder.select_rows(keep)
+
+
+class EmbeddedEngine:
+    """A `RolloutEngine` that generates with the trainer's own megatron model (KV cache, batched).
+
+    Call `generate` on every rank of the trainer with the same arguments; every rank returns the
+    same samples. `max_batch_tokens` bounds the KV-cache slots of one batch (rows * (longest
+    prompt + longest response)); `record_routes` returns each consumed token's experts
+    (`RolloutSample.routed_experts`, for routing replay R3); `seed` seeds calls made with
+    `SamplingParams.seed=None`; `backend` picks the decoder: "auto" (the torch decoder when
+    the model is not split and passes the check against GPTModel.forward, else megatron's),
+    "torch" or "megatron". `stats` holds this rank's counts for the last call.
+    """
+
+    def __init__(
+        self,
+        training_engine: TrainingEngine,
+        *,
+        max_batch_tokens: int = 65536,
+        record_routes: bool = False,
+        seed: int = 0,
+        backend: str = "auto",
+    ) -> None:
+        layout = training_engine.layout
+        if layout.pp > 1 or layout.cp > 1:
+            raise ValueError(
+                f"the embedded rollout engine needs parallel.pp=1 and parallel.cp=1 (got "
+                f"pp={layout.pp}, cp={layout.cp}); use the SGLang rollout engine (rollout=sglang) "
+                "with pipeline or context parallelism"
+            )
+        if max_batch_tokens < 1:
+            raise ValueError(f"rollout.max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if record_routes and training_engine.routes is None:
+            raise ValueError("rollout.record_routes needs a MoE policy (the model has no router)")
+        self._trainer = training_engine
+        (self.model,) = training_engine.unwrapped_chunks
+        self.vocab_size = training_engine.model_config.vocab_size
+        self.device = self.model.embedding.word_embeddings.weight.device
+        self.max_sequence_length = min(
+            training_engine.settings.max_sequence_length,
+            training_engine.model_config.max_position_embeddings,
+        )
+        self.max_batch_tokens = max_batch_tokens
+        self.record_routes = record_routes
+        self.seed = seed
+        self.weight_version = 0
+        config = training_engine.config
+        self.route_shape = (config.num_layers, config.moe_router_topk or 0)
+        self._dp = layout.dp
+        self._dp_group = parallel_state.get_data_parallel_group() if layout.dp > 1 else None
+        self._dp_rank = parallel_state.get_data_parallel_rank() if layout.dp > 1 else 0
+        # MoE all-to-alls span replicas when experts are split across data-parallel ranks.
+        self._lockstep = layout.dp > 1 and (layout.ep > 1 or layout.etp > 1)
+        self._calls = 0
+        # this rank's share of the last generate call (for logging)
+        self.stats: dict[str, int] = {}
+        self._paused = False
+        self._closed = False
+        self.decoder = self._choose_decoder(backend)
+
+    # -- RolloutEngine ----------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[RolloutSample]]:
+        """`n` samples for each prompt, grouped per prompt in prompt order (on every rank)."""
+        if self._closed:
+            raise RuntimeError("generate() on a closed EmbeddedEngine")
+        if self._paused:
+            raise RuntimeError("generate() while the EmbeddedEngine is paused; call resume()")
+        if n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        seed = params.seed
+        if seed is None:
+            seed = sequence_seed(self.seed, self._calls)
+        self._calls += 1
+        seqs = self._sequences(prompts, n, params)
+        lo = len(seqs) * self._dp_rank // self._dp
+        hi = len(seqs) * (self._dp_rank + 1) // self._dp
+        batches = [_Batch(self, chunk, params, seed) for chunk in self._plan(seqs[lo:hi])]
+        self.stats = {
+            "sequences": hi - lo,
+            "batches": len(batches),
+            "forwards": 0,
+            "idle_forwards": 0,
+        }
+        with self._generation_mode():
+            if self._lockstep:
+                self._run_lockstep(batches)
+            else:
+                for batch in batches:
+                    for _ in batch.run():
+                        self.stats["forwards"] += 1
+        local = {key: sample for b in batches for key, sample in b.results.items()}
+        if self._dp > 1:
+            parts: list = [None] * self._dp
+            dist.all_gather_object(parts, local, group=self._dp_group)
+            local = {k: v for part in parts for k, v in part.items()}
+        return [[local[p * n + j] for j in range(n)] for p in range(len(prompts))]
+
+    def update_weights(self, source: WeightSource | None, version: int) -> None:
+        """The weights are the trainer's own; only tag later samples with `version`."""
+        if source is not None:
+            raise ValueError(
+                "the embedded engine shares the trainer's parameters; call "
+                "update_weights(None, version) (no weight source)"
+            )
+        self.weight_version = version
+
+    def pause(self) -> None:
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def flush_cache(self) -> None:
+        """No cache outlives a generate call."""
+
+    def health(self) -> bool:
+        return not self._closed
+
+    def close(self) -> None:
+        self._closed = True
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _sequences(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[_Sequence]:
+        seqs = []
+        for p, prompt in enumerate(prompts):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise ValueError(f"prompt {p} is empty: every prompt needs at least one token")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ValueError(
+                    f"prompt {p} holds token ids outside [0, {self.vocab_size}) (model.vocab_size)"
+                )
+            room = self.max_sequence_length - len(ids)
+            if room < 1:
+                raise ValueError(
+                    f"prompt {p} has {len(ids)} tokens, leaving no room to generate within the "
+                    f"maximum sequence length {self.max_sequence_length} "
+                    "(trainer.max_sequence_length / model.max_position_embeddings)"
+                )
+            budget = min(params.max_new_tokens, room)
+            seqs.extend(_Sequence(p * n + j, ids, budget) for j in range(n))
+        return seqs
+
+    def _plan(self, seqs: list[_Sequence]) -> list[list[_Sequence]]:
+        """Sort by prompt length; cut into batches of at most max_batch_tokens cache slots."""
+        batches: list[list[_Sequence]] = []
+        current: list[_Sequence] = []
+        longest = 0
+        for s in sorted(seqs, key=lambda s: len(s.prompt)):
+            length = max(longest, len(s.prompt) + s.budget)
+            if current and (len(current) + 1) * length > self.max_batch_tokens:
+                batches.append(current)
+                current, length = [], len(s.prompt) + s.budget
+            current.append(s)
+            longest = length
+        if current:
+            batches.append(current)
+        return batches
+
+    def _run_lockstep(self, batches: list[_Batch]) -> None:
+        """Every data-parallel replica runs the same number of forwards (dummy ones when idle)."""
+
+        def work() -> Iterator[None]:
+            for batch in batches:
+                yield from batch.run()
+
+        steps = work()
+        alive = next(steps, False) is not False
+        while True:
+            flag = torch.tensor([1 if alive else 0], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._dp_group)
+            if not int(flag):
+                return
+            if alive:
+                alive = next(steps, False) is not False
+                self.stats["forwards"] += 1
+            else:
+                self.decoder.dummy_forward()
+                self.stats["idle_forwards"] += 1
+
+    def _choose_decoder(self, backend: str) -> MegatronDecoder | TorchDecoder:
+        if backend not in ("auto", "megatron", "torch"):
+            raise ValueError(f"rollout.backend must be auto, megatron or torch, got {backend!r}")
+        routes = self._trainer.routes if self.record_routes else None
+        megatron = MegatronDecoder(self.model, self.vocab_size, routes)
+        if backend == "megatron":
+            return megatron
+        reason = torch_decoder_unsupported(self.model, self._trainer.config)
+        if reason is None:
+            fast = TorchDecoder(
+                self.model, self._trainer.config, self.vocab_size, self.record_routes
+            )
+            with self._megatron_mode(record_routes=False):
+                diff = check_against(
+                    fast, MegatronDecoder(self.model, self.vocab_size), self.vocab_size
+                )
+            tol = 1e-5 if self._trainer.config.params_dtype == torch.float32 else 5e-2
+            self.torch_decoder_check = diff
+            if diff <= tol:
+                return fast
+            reason = f"its log-probs differ from GPTModel.forward's by {diff:.2e} > {tol:.0e}"
+        if backend == "torch":
+            raise ValueError(f"rollout.backend=torch cannot run this model: {reason}")
+        return megatron
+
+    @contextlib.contextmanager
+    def _megatron_mode(self, record_routes: bool):
+        """For GPTModel forwards: eval mode, megatron's inference flag, no sequence parallelism.
+
+        Sequence parallelism splits a sequence over TP ranks, which a one-token decode step
+        cannot be; it is switched off on every module that holds it and restored afterwards.
+        """
+        modules = self._trainer.model
+        training = [m.training for m in modules]
+        saved: list[tuple[object, str, bool]] = []
+        config = self._trainer.config
+        if config.sequence_parallel:
+            for module in self.model.modules():
+                for attr in _SEQUENCE_PARALLEL_ATTRS:
+                    if getattr(module, attr, None) is True:
+                        saved.append((module, attr, True))
+                        setattr(module, attr, False)
+            saved.append((config, "sequence_parallel", True))
+            config.sequence_parallel = False
+        routes = self._trainer.routes if record_routes else None
+        for m in modules:
+            m.eval()
+        try:
+            if routes is not None:
+                routes.begin(record=True, replay=False)
+            with torch.no_grad(), InferenceMode.active():
+                yield
+        finally:
+            if routes is not None:
+                routes.end()
+            for obj, attr, value in saved:
+                setattr(obj, attr, value)
+            for m, mode in zip(modules, training, strict=True):
+                m.train(mode)
+
+    def _generation_mode(self):
+        """The torch decoder calls no module (dropout-free math): no autograd is all it needs."""
+        if isinstance(self.decoder, MegatronDecoder):
+            return self._megatron_mode(self.record_routes)
+        return torch.no_grad()
