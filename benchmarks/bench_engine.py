@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 def step_times(steps: int) -> None:
     import torch
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.batch import TrainSample
@@ -76,6 +75,9 @@ def step_times(steps: int) -> None:
     def gspo_step() -> None:
         engine.train_step(samples, LossSettings("gspo"))
 
+    # megatron is imported only after gspo_megatron.megatron installed its CPU shims.
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
     def ce_step() -> None:
         # Same schedule, model and optimizer; megatron's cross-entropy as the loss.
         def loss_fn(mb, logits):
@@ -104,7 +106,9 @@ def step_times(steps: int) -> None:
     print(f"step time ({len(ratios)} alternated pairs, {tokens} tokens, vocab 8192, CPU):")
     print(f"  gspo step          {statistics.median(gspo_s):8.3f} s")
     print(f"  cross-entropy step {statistics.median(ce_s):8.3f} s")
-    print(f"  ratio gspo / ce    {statistics.median(ratios):8.3f}x  (goal <= 1.05x)")
+    print(f"  ratio gspo / ce    {statistics.median(ratios):8.3f}x median of pairs, "
+          f"{statistics.median(gspo_s) / statistics.median(ce_s):.3f}x of medians "
+          "(goal <= 1.05x)")
     parallel.destroy()
 
 
