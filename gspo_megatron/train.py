@@ -14,6 +14,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_megatron.config import ConfigError, resolve
+from gspo_megatron.data.dataset import DataError
+from gspo_megatron.data.vocab import VocabMismatchError
 
 # Messages megatron-core and torch print on every CPU run that say nothing about this run.
 _LIBRARY_NOISE = (
@@ -38,6 +40,8 @@ def _quiet_libraries() -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def run(cfg: DictConfig) -> None:
     _quiet_libraries()
+    from gspo_megatron.megatron.checkpointing import CheckpointError
+
     try:
         raw = OmegaConf.to_container(cfg, resolve=True)
         run_cfg, model, layout = resolve(raw, int(os.environ.get("WORLD_SIZE", "1")))
@@ -50,6 +54,8 @@ def run(cfg: DictConfig) -> None:
         trainer = build_trainer(run_cfg, model, layout, run_dir)
     except ConfigError as err:
         sys.exit(f"gspo-train: config error: {err}")
+    except (DataError, VocabMismatchError, CheckpointError) as err:
+        sys.exit(f"gspo-train: {err}")
     try:
         trainer.train()
     finally:

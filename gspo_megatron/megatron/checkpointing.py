@@ -145,7 +145,7 @@ def load_engine(
         state["optimizer"] = engine.optimizer.sharded_state_dict(
             model_sd, is_loading=True, metadata=_OPTIMIZER_METADATA
         )
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = _read(state, path)
     for i, chunk in enumerate(engine.unwrapped_chunks):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
     if with_optimizer:
@@ -162,6 +162,23 @@ def load_engine(
         if rng_file.is_file():
             _set_rng_state(torch.load(rng_file, weights_only=False))
     return meta
+
+
+def _read(state: dict, path: Path) -> dict:
+    """dist_checkpointing.load, with unreadable files reported as a CheckpointError.
+
+    torch's CheckpointException derives from BaseException; it carries every rank's failure.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return dist_checkpointing.load(state, str(path))
+    except CheckpointException as err:
+        failures = getattr(err, "failures", {}) or {}
+        first = next(iter(failures.values()), err)
+        raise CheckpointError(
+            f"{path}: unreadable checkpoint ({type(first).__name__}: {first})"
+        ) from None
 
 
 def load_reference_weights(chunks, path: str | Path) -> list[dict[str, torch.Tensor]]:

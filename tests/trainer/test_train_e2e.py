@@ -195,8 +195,13 @@ def test_two_processes_match_one_given_the_same_rollouts(tmp_path):
     start, one, two = tmp_path / "start", tmp_path / "one", tmp_path / "two"
     train(start, "trainer.steps=1", "trainer.eval_every=0")
     init = f"model.init_from={start / 'checkpoints' / 'step_000001'}"
-    common = ["trainer.steps=3", "trainer.eval_every=0", "seed=11", init,
-              "model.router_aux_loss_coef=0.0"]
+    common = [
+        "trainer.steps=3",
+        "trainer.eval_every=0",
+        "seed=11",
+        init,
+        "model.router_aux_loss_coef=0.0",
+    ]
     train(one, *common)
     train(two, *common, "parallel=ep2", nproc=2)
     a, b = metrics(one), metrics(two)
@@ -223,3 +228,14 @@ def test_refuses_directory_of_another_run(tmp_path):
     assert proc.returncode != 0
     assert "holds a run with a different config" in proc.stderr
     assert "algorithm.loss" in proc.stderr
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path):
+    train(tmp_path, "trainer.steps=2", "trainer.save_every=1", "trainer.eval_every=0")
+    newest = tmp_path / "checkpoints" / "step_000002"
+    for shard in newest.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])  # truncated shard
+    proc = train(tmp_path, "trainer.steps=3", "trainer.save_every=1", "trainer.eval_every=0")
+    assert "step_000002 is unusable" in proc.stderr
+    assert "resumed at step 1" in proc.stderr
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]

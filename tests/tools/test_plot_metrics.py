@@ -1,0 +1,50 @@
+"""tools/plot_metrics.py draws every run of each metric family into a PNG."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from launch import REPO
+
+spec = importlib.util.spec_from_file_location("plot_metrics", REPO / "tools" / "plot_metrics.py")
+plot_metrics = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot_metrics)
+
+
+def write_run(path, scale):
+    path.mkdir()
+    with (path / "metrics.jsonl").open("w") as f:
+        for step in range(1, 21):
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "reward/mean": scale * step / 20,
+                        "actor/clip_fraction": 0.1,
+                        "response/length_mean": 4.0,
+                        "moe/route_change_fraction": 0.05,
+                    }
+                )
+                + "\n"
+            )
+
+
+def test_overlays_runs_into_pngs(tmp_path):
+    write_run(tmp_path / "a", 1.0)
+    write_run(tmp_path / "b", 0.5)
+    out = tmp_path / "plots"
+    assert (
+        plot_metrics.main(
+            [str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--smooth", "3"]
+        )
+        == 0
+    )
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["clip_fraction.png", "response_length.png", "reward.png", "route_change.png"]
+    assert all((out / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
+
+
+def test_missing_run_is_a_clear_error(tmp_path, capsys):
+    assert plot_metrics.main([str(tmp_path / "nope")]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
