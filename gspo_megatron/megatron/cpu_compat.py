@@ -385,9 +385,3 @@ def _with_cuda_type_names(fn):
             torch.Tensor.type = original
 
     return wrapper
-
-
-def init_process_group(**kwargs) -> None:
-    """torch.distributed.init_process_group with the backend for this machine."""
-    backend = "nccl" if cuda_available() else "gloo"
-    dist.init_process_group(backend=backend, **kwargs)

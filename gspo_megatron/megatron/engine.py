@@ -11,7 +11,6 @@ MoE aux loss on megatron's standard path (averaged over micro-batches and DP).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -215,14 +214,7 @@ class TrainingEngine:
         outputs: list[dict] = []
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = vocab_parallel_logprobs(
-                logits,
-                mb.labels,
-                vocab_size=self.model_config.vocab_size,
-                tp_group=self._tp_group,
-                with_entropy=with_entropy,
-                chunk_bytes=self.settings.logprob_chunk_bytes,
-            )
+            lp, ent = self._token_logprobs(mb, logits, with_entropy)
             out = {"indices": mb.indices, "logprobs": lp.detach()}
             if ent is not None:
                 out["entropy"] = ent.detach()
@@ -266,14 +258,7 @@ class TrainingEngine:
         num_mb_holder: list[int] = []
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = vocab_parallel_logprobs(
-                logits,
-                mb.labels,
-                vocab_size=self.model_config.vocab_size,
-                tp_group=self._tp_group,
-                with_entropy=True,
-                chunk_bytes=self.settings.logprob_chunk_bytes,
-            )
+            lp, ent = self._token_logprobs(mb, logits, with_entropy=True)
             extra = {}
             if loss.kl_coef:
                 extra = {
@@ -343,6 +328,16 @@ class TrainingEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # -- schedule plumbing -----------------------------------------------------------------------
+
+    def _token_logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
+        return vocab_parallel_logprobs(
+            logits,
+            mb.labels,
+            vocab_size=self.model_config.vocab_size,
+            tp_group=self._tp_group,
+            with_entropy=with_entropy,
+            chunk_bytes=self.settings.logprob_chunk_bytes,
+        )
 
     def _microbatches(
         self, samples: Sequence[TrainSample], token_advantages: bool
@@ -539,18 +534,6 @@ class TrainingEngine:
         for rank, part in enumerate(parts):
             out[:, cp_index(full_len, cp, rank)] = part
         return out.float()
-
-    # -- state --------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def eval_mode(self):
-        for m in self.model:
-            m.eval()
-        try:
-            yield
-        finally:
-            for m in self.model:
-                m.train()
 
 
 class _AllReduceSum(torch.autograd.Function):
