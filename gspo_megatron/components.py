@@ -94,16 +94,17 @@ def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayo
 
 def init_weights(engine, source: str) -> None:
     """Initial weights from a gspo-megatron checkpoint or a Hugging Face directory."""
+    from gspo_megatron.checkpoint import load_engine_weights
+    from gspo_megatron.checkpoint.loading import read_model_config
     from gspo_megatron.megatron import checkpointing
 
     path = Path(source)
-    if checkpointing.is_checkpoint(path):
-        checkpointing.load_engine(engine, path, with_optimizer=False, restore_rng=False)
-        return
-    if (path / "config.json").is_file():
-        from gspo_megatron.checkpoint import load_hf_weights
-
-        load_hf_weights(engine, path)
+    if checkpointing.is_checkpoint(path) or (path / "config.json").is_file():
+        saved = read_model_config(path).to_dict()
+        difference = checkpointing.architecture_difference(saved, engine.model_config)
+        if difference:
+            raise ConfigError(f"model.init_from={source}: {difference}")
+        load_engine_weights(engine, path)
         return
     raise ConfigError(
         f"model.init_from={source}: neither a gspo-megatron checkpoint ({path}/"

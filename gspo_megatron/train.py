@@ -40,6 +40,7 @@ def _quiet_libraries() -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def run(cfg: DictConfig) -> None:
     _quiet_libraries()
+    from gspo_megatron.checkpoint.mapping import ConversionError
     from gspo_megatron.megatron.checkpointing import CheckpointError
 
     try:
@@ -54,7 +55,7 @@ def run(cfg: DictConfig) -> None:
         trainer = build_trainer(run_cfg, model, layout, run_dir)
     except ConfigError as err:
         sys.exit(f"gspo-train: config error: {err}")
-    except (DataError, VocabMismatchError, CheckpointError) as err:
+    except (DataError, VocabMismatchError, CheckpointError, ConversionError) as err:
         sys.exit(f"gspo-train: {err}")
     try:
         trainer.train()

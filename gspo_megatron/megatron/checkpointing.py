@@ -55,7 +55,13 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 def check_architecture(path: str | Path, model: ModelConfig) -> None:
     """Refuse a checkpoint of another architecture, naming the field that differs."""
-    saved = read_meta(path)["model"]
+    difference = architecture_difference(read_meta(path)["model"], model)
+    if difference:
+        raise CheckpointError(f"{path}: {difference}")
+
+
+def architecture_difference(saved: dict[str, Any], model: ModelConfig) -> str | None:
+    """The first shape-defining field where a saved config differs from `model`, as a message."""
     mine = model.to_dict()
     for key in (
         "model_type",
@@ -72,10 +78,11 @@ def check_architecture(path: str | Path, model: ModelConfig) -> None:
         "tie_word_embeddings",
     ):
         if key in saved and saved[key] != mine[key] and (key != "num_experts" or model.is_moe):
-            raise CheckpointError(
-                f"{path}: checkpoint has model.{key}={saved[key]!r} but the configured model has "
+            return (
+                f"checkpoint has model.{key}={saved[key]!r} but the configured model has "
                 f"{mine[key]!r}; pick the matching model preset or checkpoint"
             )
+    return None
 
 
 def save_engine(

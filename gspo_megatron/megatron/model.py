@@ -118,7 +118,7 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **unused):
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
 

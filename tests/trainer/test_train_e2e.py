@@ -239,3 +239,30 @@ def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path):
     assert "step_000002 is unusable" in proc.stderr
     assert "resumed at step 1" in proc.stderr
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+
+
+def hf_policy(path: Path, **changes) -> Path:
+    """A random Hugging Face Qwen3-MoE with the tiny_moe preset's architecture."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gspo_megatron.megatron.model_config import load_preset
+
+    hf = load_preset("tiny_moe", **changes).to_hf()
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_starts_from_a_hugging_face_checkpoint(tmp_path):
+    init = hf_policy(tmp_path / "hf")
+    proc = train(
+        tmp_path / "run", f"model.init_from={init}", "trainer.steps=1", "trainer.eval_every=0"
+    )
+    assert proc.returncode == 0
+    assert len(metrics(tmp_path / "run")) == 1
+    other = hf_policy(tmp_path / "hf_wide", hidden_size=32)
+    proc = train(tmp_path / "run2", f"model.init_from={other}", "trainer.steps=1", check=False)
+    assert proc.returncode != 0
+    assert "checkpoint has model.hidden_size=32" in proc.stderr
+    assert "Traceback" not in proc.stderr

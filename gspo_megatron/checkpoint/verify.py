@@ -1,0 +1,88 @@
+"""Check a conversion by the model's outputs: log-probs of random tokens under transformers
+(HF directory) and under megatron-core (megatron checkpoint) in one process.
+
+Both sides hold the same weight values — rounded to the conversion's dtype, then computed in
+float32 — so the difference measures the mapping, not the dtype. Needs memory for both full
+models; meant for the small and medium models one checks on a workstation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gspo_megatron.megatron.model_config import ModelConfig
+
+
+def random_sequences(vocab_size: int, count: int, length: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (count, length), generator=gen)
+
+
+@torch.no_grad()
+def transformers_logprobs(
+    hf_dir: str | Path, tokens: torch.Tensor, round_to: torch.dtype | None = None
+) -> torch.Tensor:
+    """[b, s-1] log p(x_t | x_<t) under transformers' AutoModelForCausalLM, float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=round_to or torch.float32)
+    model = model.float().eval()
+    logits = model(input_ids=tokens).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def megatron_logprobs(
+    megatron_dir: str | Path,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    round_to: torch.dtype | None = None,
+) -> torch.Tensor:
+    """[b, s-1] log-probs under a one-process megatron model loaded from `megatron_dir`."""
+    import torch.distributed as dist
+
+    from gspo_megatron.checkpoint.loading import load_weights
+    from gspo_megatron.megatron import parallel
+    from gspo_megatron.megatron.layout import ParallelLayout
+    from gspo_megatron.megatron.model import build_model_chunks
+
+    started = not dist.is_initialized()
+    if not started and dist.get_world_size() != 1:
+        raise RuntimeError("verification builds a one-process model; run it outside torchrun")
+    layout = ParallelLayout(world_size=1)
+    parallel.initialize(layout, seed=0)
+    try:
+        cfg = cfg.replace(params_dtype="float32")
+        chunks = build_model_chunks(cfg, layout, use_te=False)
+        load_weights(chunks, cfg, megatron_dir)
+        model = chunks[0].eval()
+        if round_to is not None:
+            for p in model.parameters():
+                p.copy_(p.to(round_to).float())
+        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        logits = model(tokens, positions, None)[..., : cfg.vocab_size].float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    finally:
+        if started:
+            parallel.destroy()
+
+
+def compare_logprobs(
+    hf_dir: str | Path,
+    megatron_dir: str | Path,
+    cfg: ModelConfig,
+    *,
+    round_to: torch.dtype | None = None,
+    count: int = 2,
+    length: int = 32,
+    seed: int = 0,
+) -> float:
+    """max |log-prob difference| between the two sides on random token sequences."""
+    tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
+    hf = transformers_logprobs(hf_dir, tokens, round_to)
+    mc = megatron_logprobs(megatron_dir, cfg, tokens, round_to)
+    return float((hf - mc).abs().max())

@@ -1,0 +1,62 @@
+"""Convert a Hugging Face Qwen3 / Qwen3-MoE directory into a megatron torch_dist checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf-path Qwen3-30B-A3B-Base --output ckpt/qwen3-30b \
+        [--dtype bf16] [--verify] [--overwrite]
+
+The checkpoint loads on any TP/PP/EP/ETP/CP/DP layout (training: model.init_from=DIR; scoring:
+gspo-logprobs --checkpoint DIR). See docs/CHECKPOINTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+VERIFY_TOL = 1e-3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hf-path", required=True, help="HF model directory (safetensors)")
+    parser.add_argument("--output", required=True, help="new megatron checkpoint directory")
+    parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: as stored)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare log-probs of transformers and megatron on random tokens "
+        "(loads both models: needs memory for two copies)",
+    )
+    parser.add_argument("--verify-tol", type=float, default=VERIFY_TOL)
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1, help="writer threads (files)")
+    args = parser.parse_args(argv)
+
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+    from gspo_megatron.checkpoint.mapping import ConversionError
+
+    try:
+        report = convert_hf_to_megatron(
+            args.hf_path,
+            args.output,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            verify=args.verify,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            threads=args.threads,
+        )
+    except ConversionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    if report.verify_max_abs_diff is not None and report.verify_max_abs_diff > args.verify_tol:
+        print(
+            f"error: verification failed: {report.verify_max_abs_diff:.3e} > {args.verify_tol:g}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

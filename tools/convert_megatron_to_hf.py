@@ -1,0 +1,73 @@
+"""Convert a megatron torch_dist checkpoint (converted, or saved by training on any layout) into
+a Hugging Face directory: safetensors shards with per-expert names, the index, config.json and
+tokenizer files — loadable by transformers and SGLang.
+
+    python tools/convert_megatron_to_hf.py --megatron-path ckpt/step_100 --output hf/step_100 \
+        [--tokenizer Qwen3-30B-A3B-Base] [--dtype bf16] [--verify] [--overwrite]
+
+See docs/CHECKPOINTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+VERIFY_TOL = 1e-3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--megatron-path", required=True, help="megatron checkpoint directory")
+    parser.add_argument("--output", required=True, help="new HF model directory")
+    parser.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: as stored)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="directory with tokenizer files (default: those the checkpoint "
+        "carries from its HF conversion, if any)",
+    )
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        help="config.json describing the model (for checkpoints without gspo_checkpoint.json)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare log-probs of transformers and megatron on random tokens",
+    )
+    parser.add_argument("--verify-tol", type=float, default=VERIFY_TOL)
+    parser.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    args = parser.parse_args(argv)
+
+    from gspo_megatron.checkpoint.convert import convert_megatron_to_hf
+    from gspo_megatron.checkpoint.mapping import ConversionError
+
+    try:
+        report = convert_megatron_to_hf(
+            args.megatron_path,
+            args.output,
+            dtype=args.dtype,
+            tokenizer=args.tokenizer,
+            hf_config=args.hf_config,
+            overwrite=args.overwrite,
+            verify=args.verify,
+            max_shard_bytes=int(args.max_shard_size_gb * 1e9),
+        )
+    except ConversionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    if report.verify_max_abs_diff is not None and report.verify_max_abs_diff > args.verify_tol:
+        print(
+            f"error: verification failed: {report.verify_max_abs_diff:.3e} > {args.verify_tol:g}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
