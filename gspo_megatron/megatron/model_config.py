@@ -8,7 +8,6 @@ process group exists. `gspo_megatron.megatron.model` turns it into megatron's Tr
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,7 +104,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], **overrides: Any) -> ModelConfig:
-        """From a HF config dict; fields that change the math are carried or refused."""
+        """From a HF config dict; fields that change the math are carried or refused.
+
+        Read config.json files through gspo_megatron.checkpoint.hf_io.read_hf_config, which
+        normalises them with transformers first (defaults, renamed fields).
+        """
         model_type = hf.get("model_type")
         if model_type not in ARCHITECTURES:
             archs = hf.get("architectures")
@@ -195,13 +198,6 @@ class ModelConfig:
                 output_router_logits=False,
             )
         return hf
-
-    @classmethod
-    def from_hf_dir(cls, path: str | Path, **overrides: Any) -> ModelConfig:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{config_file}: no config.json in the HF checkpoint directory")
-        return cls.from_hf(json.loads(config_file.read_text()), **overrides)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
