@@ -108,7 +108,8 @@ class Trainer:
             with _timed(timings, "generate"):
                 batch = self.generate()
             with _timed(timings, "old_logprobs"):
-                self.prepare_training_inputs(batch)
+                if batch.groups:
+                    self.prepare_training_inputs(batch)
             with _timed(timings, "train"):
                 train_metrics = self.train_step(batch)
             with _timed(timings, "sync_weights"):
@@ -133,7 +134,8 @@ class Trainer:
         alg = self.cfg.algorithm
         wanted = self.cfg.rollout.prompts_per_step
         batch = self._generate_for(self.sampler.next_batch(), step_seed=0)
-        stats = {"sampling/groups_generated": float(len(batch.groups))}
+        generated = [batch]
+        stats: dict[str, float] = {}
         if alg.prefilter_solved_prompts:
             keep = prefilter_solved_prompts(batch.rewards)
             stats["sampling/solved_groups_dropped"] = float((~keep).sum())
@@ -144,7 +146,7 @@ class Trainer:
             while len(kept.groups) < wanted and rounds < alg.max_refill_rounds:
                 rounds += 1
                 more = self._generate_for(self.sampler.next_batch(), step_seed=rounds)
-                stats["sampling/groups_generated"] += len(more.groups)
+                generated.append(more)
                 more = _select(more, dapo_keep_indices(more.rewards))
                 kept = _concat(kept, more)
             stats["sampling/refill_rounds"] = float(rounds)
@@ -153,11 +155,10 @@ class Trainer:
             generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
             fill = dupo_fill_indices(batch.rewards, num_groups=wanted, generator=generator)
             batch = _select(batch, fill) if fill.numel() else batch
+        stats.update(_generation_metrics(generated))
         stats["sampling/groups_used"] = float(len(batch.groups))
-        stats["sampling/groups_zero_variance"] = float(
-            ((batch.rewards.amax(1) - batch.rewards.amin(1)) == 0).sum()
-        )
-        batch.advantages = self._advantages(batch.rewards)
+        if batch.groups:
+            batch.advantages = self._advantages(batch.rewards)
         batch.stats.update(stats)
         return batch
 
@@ -171,10 +172,8 @@ class Trainer:
             stop_token_ids=self.stop_token_ids,
             seed=_derive_seed(self.cfg.seed, self.step, step_seed),
         )
-        started = time.perf_counter()
         groups = self.rollout.generate([p.prompt_ids for p in prompts], r.group_size, params)
         batch = RolloutBatch(prompts=list(prompts), groups=groups)
-        batch.stats["time/rollout_generate"] = time.perf_counter() - started
         batch.rewards = self.score(batch)
         return batch
 
@@ -290,22 +289,32 @@ class Trainer:
                 batch.stats[f"mismatch/{key[:-4]}"] = sums[key] / count
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """num_minibatches optimizer steps over the shuffled rollout batch."""
+        """num_minibatches optimizer steps over the shuffled rollout batch.
+
+        A batch that dynamic sampling left smaller than planned is split into as many
+        minibatches as it can feed (each needs one sequence per data-parallel rank); an empty
+        one trains nothing.
+        """
         alg = self.cfg.algorithm
         order = list(range(len(batch.samples)))
         random.Random(_derive_seed(self.cfg.seed, self.step, 101)).shuffle(order)
-        size = len(order) // alg.num_minibatches
+        count = min(alg.num_minibatches, len(order) // self.engine.layout.dp)
+        if count == 0:
+            return {"skipped_steps": float(alg.num_minibatches), "lr": self.engine.current_lr()}
+        bounds = [round(k * len(order) / count) for k in range(count + 1)]
         per_step: list[dict[str, float]] = []
-        for k in range(alg.num_minibatches):
-            minibatch = [batch.samples[i] for i in order[k * size : (k + 1) * size]]
+        for k in range(count):
+            minibatch = [batch.samples[i] for i in order[bounds[k] : bounds[k + 1]]]
             per_step.append(
                 self.engine.train_step(
                     minibatch, self.loss, replay_routes=alg.routing_replay != "off"
                 )
             )
-        merged = {
-            key: float(np.mean([m[key] for m in per_step if key in m])) for key in per_step[0]
-        }
+        merged = {}
+        for key in per_step[0]:
+            values = [m[key] for m in per_step if key in m]
+            combine = max if key.endswith("_max") else min if key.endswith("_min") else np.mean
+            merged[key] = float(combine(values))
         merged["skipped_steps"] = float(sum(m.get("skipped", 0.0) for m in per_step))
         merged.pop("skipped", None)
         merged.pop("num_microbatches", None)
@@ -344,23 +353,14 @@ class Trainer:
     def step_metrics(
         self, batch: RolloutBatch, train: dict[str, float], timings: dict[str, float]
     ) -> dict[str, float]:
-        flat = batch.flat()
-        lengths = np.array([len(s.response_ids) for s in flat], dtype=np.float64)
-        gen_tokens = float(lengths.sum())
-        train_tokens = float(sum(s.length for s in batch.samples)) * 1.0
+        train_tokens = float(sum(s.length for s in batch.samples))
         metrics: dict[str, float] = {
-            "reward/mean": float(batch.rewards.mean()),
-            "reward/std": float(batch.rewards.std()) if batch.rewards.numel() > 1 else 0.0,
-            "reward/accuracy": float((batch.rewards >= 1.0).float().mean()),
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/truncated_fraction": float(
-                np.mean([s.finish_reason == "length" for s in flat])
-            ),
-            "advantage/abs_mean": float(batch.advantages.abs().mean()),
-            "perf/rollout_tokens_per_s": gen_tokens / max(timings["generate"], 1e-9),
+            "perf/rollout_tokens_per_s": batch.stats["response/tokens"]
+            / max(timings["generate"], 1e-9),
             "perf/train_tokens_per_s": train_tokens / max(timings["train"], 1e-9),
         }
+        if batch.groups:
+            metrics["advantage/abs_mean"] = float(batch.advantages.abs().mean())
         metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train.items()})
         metrics.update({f"time/{k}": v for k, v in timings.items()})
         metrics.update(batch.stats)
@@ -454,6 +454,24 @@ def _concat(a: RolloutBatch, b: RolloutBatch) -> RolloutBatch:
     )
     out.stats = {**a.stats, **b.stats}
     return out
+
+
+def _generation_metrics(generated: Sequence[RolloutBatch]) -> dict[str, float]:
+    """Rewards and lengths of everything generated this step (before any filtering)."""
+    rewards = torch.cat([b.rewards for b in generated])
+    flat = [s for b in generated for s in b.flat()]
+    lengths = np.array([len(s.response_ids) for s in flat], dtype=np.float64)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "reward/accuracy": float((rewards >= 1.0).float().mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/tokens": float(lengths.sum()),
+        "response/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in flat])),
+        "sampling/groups_generated": float(rewards.shape[0]),
+        "sampling/groups_zero_variance": float(((rewards.amax(1) - rewards.amin(1)) == 0).sum()),
+    }
 
 
 def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:

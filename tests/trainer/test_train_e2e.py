@@ -266,3 +266,27 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
     assert proc.returncode != 0
     assert "checkpoint has model.hidden_size=32" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm=dapo"],  # dynamic sampling with refills, overlong filtering, token mean
+        ["algorithm=dupo"],  # duplication of informative groups, solved-prompt pre-filter
+        ["algorithm.routing_replay=r3"],  # the rollout engine's routes replayed
+        [
+            "algorithm=grpo",
+            "algorithm.routing_replay=r2",
+            "algorithm.mismatch=tis",
+            "algorithm.kl_coef=0.01",
+        ],  # recorded routes, TIS weights, KL to a reference
+    ],
+    ids=["dapo", "dupo", "r3", "grpo-r2-tis-kl"],
+)
+def test_algorithm_options_run(tmp_path, overrides):
+    train(tmp_path, "trainer.steps=2", "trainer.eval_every=0", *overrides)
+    records = metrics(tmp_path)
+    assert len(records) == 2
+    assert "actor/loss" in records[-1] or records[-1]["actor/skipped_steps"] > 0
+    if "algorithm=dapo" in overrides:
+        assert records[-1]["sampling/groups_generated"] >= records[-1]["sampling/groups_used"]
