@@ -122,12 +122,12 @@ class RolloutSection:
     """
 
     engine: str = "embedded"
-    prompts_per_step: int = 16
-    group_size: int = 8
+    prompts_per_step: int = 8
+    group_size: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_new_tokens: int = 5
+    max_new_tokens: int = 4
     eval_temperature: float = 0.0
     eval_samples: int = 1
     eval_prompts: int = 64
@@ -150,7 +150,7 @@ class TrainerSection:
     whose saved config differs. nonfinite: skip | raise.
     """
 
-    steps: int = 600
+    steps: int = 800
     max_sequence_length: int = 64
     max_tokens_per_microbatch: int = 4096
     lr: float = 3e-4
