@@ -106,9 +106,11 @@ def step_times(steps: int) -> None:
     print(f"step time ({len(ratios)} alternated pairs, {tokens} tokens, vocab 8192, CPU):")
     print(f"  gspo step          {statistics.median(gspo_s):8.3f} s")
     print(f"  cross-entropy step {statistics.median(ce_s):8.3f} s")
-    print(f"  ratio gspo / ce    {statistics.median(ratios):8.3f}x median of pairs, "
-          f"{statistics.median(gspo_s) / statistics.median(ce_s):.3f}x of medians "
-          "(goal <= 1.05x)")
+    print(
+        f"  ratio gspo / ce    {statistics.median(ratios):8.3f}x median of pairs, "
+        f"{statistics.median(gspo_s) / statistics.median(ce_s):.3f}x of medians "
+        "(goal <= 1.05x)"
+    )
     parallel.destroy()
 
 

@@ -128,11 +128,13 @@ def build_rollout(cfg: RunConfig, engine):
             ),
             None,
         )
-    from gspo_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
+    from gspo_megatron.rollout.sglang import ServerLaunchConfig, SGLangEngine, SGLangEngineConfig
     from gspo_megatron.rollout.weight_export import MegatronWeightSource
 
+    values = dict(r.sglang)
     try:
-        sglang_cfg = SGLangEngineConfig(**r.sglang)
-    except TypeError as err:
+        values["launch"] = [ServerLaunchConfig(**entry) for entry in values.get("launch", [])]
+        sglang_cfg = SGLangEngineConfig(**values)
+    except (TypeError, ValueError) as err:
         raise ConfigError(f"rollout.sglang: {err}") from err
-    return SGLangEngine(sglang_cfg), MegatronWeightSource(engine)
+    return SGLangEngine(sglang_cfg), MegatronWeightSource.from_engine(engine)

@@ -37,7 +37,12 @@ def _quiet_libraries() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+# An absolute path: relative ones resolve against the calling module, which differs between
+# `python -m gspo_megatron.train` and the `gspo-train` console script.
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def run(cfg: DictConfig) -> None:
     _quiet_libraries()
     from gspo_megatron.checkpoint.mapping import ConversionError

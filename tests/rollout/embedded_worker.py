@@ -84,8 +84,10 @@ def full_logits(trainer: TrainingEngine, ids: list[int]) -> torch.Tensor:
     padded = list(ids) + [0] * (-len(ids) % tp)
     tokens = torch.tensor([padded])
     positions = torch.arange(len(padded))[None]
-    with trainer.eval_mode(), torch.no_grad():
+    model.eval()
+    with torch.no_grad():
         logits = model(tokens, positions, None)[0, : len(ids)]  # [s, V_local] (vocab-parallel)
+    model.train()
     if tp > 1:
         from megatron.core import parallel_state
 

@@ -160,6 +160,7 @@ def start_fake_server(
     routed_experts: bool = True,
     api_key: str | None = None,
     health_delay_s: float = 0.0,
+    vocab_size: int = VOCAB_SIZE,
     timeout_s: float = 60.0,
 ) -> FakeServer:
     """Start a test server process and wait for its READY line. The process shares this
@@ -174,6 +175,7 @@ def start_fake_server(
         "--tp-size", str(tp_size),
         "--dp-size", str(dp_size),
         "--health-delay-s", str(health_delay_s),
+        "--vocab-size", str(vocab_size),
     ]  # fmt: skip
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
@@ -503,10 +505,10 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             for i in range(len(obj.input_ids)):
                 sp = sg.SamplingParams(**obj.sampling_params[i])
                 sp.normalize(None)
-                sp.verify(VOCAB_SIZE)
+                sp.verify(args.vocab_size)
                 ids = obj.input_ids[i]
-                if any(not 0 <= t < VOCAB_SIZE for t in ids):
-                    raise ValueError(f"input_ids out of vocabulary [0, {VOCAB_SIZE})")
+                if any(not 0 <= t < args.vocab_size for t in ids):
+                    raise ValueError(f"input_ids out of vocabulary [0, {args.vocab_size})")
                 items.append((ids, sp, obj.return_logprob[i], obj.logprob_start_len[i]))
         except (ValueError, TypeError) as e:
             return json_response({"error": {"message": str(e)}}, 400)
@@ -527,7 +529,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         for rid, (ids, sp, want_lp, lp_start) in zip(obj.rid, items, strict=True):
             toks, lps, finish = fake_completion(
                 ids, sp.sampling_seed, state["version"], sp.max_new_tokens,
-                sorted(sp.stop_token_ids or []),
+                sorted(sp.stop_token_ids or []), args.vocab_size,
             )  # fmt: skip
             if aborted:
                 toks, lps = toks[:1], lps[:1]
@@ -961,6 +963,7 @@ def main() -> None:
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--api-key", default=None)
     p.add_argument("--health-delay-s", type=float, default=0.0)
+    p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     args = p.parse_args()
     args.ready_at = time.monotonic() + args.health_delay_s
     if key := os.environ.get("SGLANG_TEST_AUTHKEY"):

@@ -290,3 +290,34 @@ def test_algorithm_options_run(tmp_path, overrides):
     assert "actor/loss" in records[-1] or records[-1]["actor/skipped_steps"] > 0
     if "algorithm=dapo" in overrides:
         assert records[-1]["sampling/groups_generated"] >= records[-1]["sampling/groups_used"]
+
+
+def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
+    """The SGLang path of the trainer against the stand-in server of tests/rollout (it answers
+    /generate like SGLang and checks every request with SGLang's own classes): generation
+    requests, then after each step the policy's weights exported to HF safetensors and loaded
+    with /update_weights_from_disk. (Tensor mode passes shared-memory handles that only a
+    process sharing the trainer's multiprocessing key can open; tests/rollout covers it.)"""
+    sys.path.insert(0, str(REPO / "tests" / "rollout"))
+    from sglang_test_server import start_fake_server
+
+    server = start_fake_server(routed_experts=False, vocab_size=48)
+    try:
+        train(
+            tmp_path / "run",
+            "trainer.steps=2",
+            "trainer.eval_every=0",
+            "rollout=sglang",
+            f"+rollout.sglang.urls=[{server.url}]",
+            "rollout.sglang.weight_sync=disk",
+            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
+        )
+        log = server.log()
+        weights = server.weights()
+    finally:
+        server.stop()
+    paths = [entry["path"] for entry in log]
+    assert paths.count("/generate") >= 2
+    assert paths.count("/update_weights_from_disk") >= 2
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in weights
+    assert len(metrics(tmp_path / "run")) == 2

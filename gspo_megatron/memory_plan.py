@@ -1,0 +1,548 @@
+"""Per-GPU memory plan of a training run: parameters, gradients, optimizer state, activations and
+the rollout engine's share, for each pipeline stage; whether the worst rank fits.
+
+No megatron import: it runs on a login node in a second. Parameter counts are exact for the
+megatron-core 0.19.2 Qwen3(-MoE) model that `gspo_megatron.megatron.model` builds (checked against
+megatron's own modules for every preset by tests/planner). Everything else is an estimate whose
+assumptions are stated where it is computed; `ASSUMPTIONS` is printed by tools/plan_memory.py.
+
+Ranks: megatron orders ranks tp-cp-ep-dp-pp, so pipeline stage s holds global ranks
+[s*world/pp, (s+1)*world/pp). Within a stage every rank holds the same number of parameters
+(vocabulary rows are padded to a multiple of tp; experts divide evenly), so one row per stage
+describes every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gspo_megatron.megatron.layout import ParallelLayout
+from gspo_megatron.megatron.model_config import ModelConfig
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+ASSUMPTIONS = """\
+Assumptions of the estimate (parameters are exact; the rest is an estimate):
+- Weights in model.params_dtype; gradients in float32 (megatron DDP, grad_reduce_in_fp32=True);
+  Adam state = float32 exp_avg + exp_avg_sq, plus a float32 master copy when the weights are
+  bf16/fp16. The distributed optimizer shards that state over the data-parallel ranks of each
+  parameter: dp*cp ranks for dense parameters, the expert-data-parallel ranks (edp) for experts.
+  Gradient buffers are never sharded (megatron keeps the full buffer on every rank).
+- Activations per layer and micro-batch, in model.params_dtype, for T = micro-batch tokens / cp
+  tokens per rank (sequence parallelism splits the norm/residual activations by tp): saved inputs
+  of both RMSNorms and of the QKV and MLP projections, Q/K norm inputs, Q/K/V and the attention
+  output (flash attention: no T^2 term), router logits and probabilities in float32, and for the
+  routed token copies (top-k) the expert input, gate/up output, SwiGLU output and expert output
+  (routing assumed balanced, times --moe-imbalance). Context parallelism adds the gathered K/V.
+- Full recomputation (trainer.recompute_activations) keeps only each layer's input per
+  micro-batch plus one layer's activations while it is recomputed.
+- Pipeline: a stage holds the activations of its in-flight micro-batches, megatron's warm-up
+  count + 1: pp - stage for 1F1B, 2*(pp - stage - 1) + (vpp - 1)*pp + 1 model chunks when
+  interleaved, capped by the micro-batches of one optimizer step. The last stage adds the logits
+  and their gradient ([T, vocab/tp] each) and 0.25 GiB of float32 log-prob chunks.
+- Micro-batch tokens = min(trainer.max_tokens_per_microbatch, the tokens one DP rank trains on
+  per optimizer step, at trainer.max_sequence_length per response).
+- Rollout, colocated: the embedded engine adds a KV cache of rollout.max_batch_tokens slots for
+  this stage's layers plus one layer's prefill activations while generating (its cache is freed
+  before training). Colocated SGLang servers hold mem_fraction_static of the GPU while generating
+  (the training state stays resident: nothing is offloaded from megatron); with
+  offload_after_generate they keep ~2 GiB (CUDA context, graphs' pools) while training, without
+  it their whole fraction. Servers on other GPUs (disaggregated) cost the trainer nothing.
+- Fixed overhead per GPU (CUDA context, NCCL communicators, library workspaces): 3 GiB, plus 10%
+  of the activations for allocator fragmentation.
+"""
+
+
+class PlanError(ValueError):
+    """Inputs the planner cannot plan; the message names the setting."""
+
+
+# -- parameters (exact) -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters on one rank of a pipeline stage (all of its virtual chunks)."""
+
+    stage: int
+    layers: int
+    dense: int  # attention, norms, router, embedding/output: gradients reduced over dp*cp
+    expert: int  # routed experts: gradients reduced over edp
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def layer_params(model: ModelConfig, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of one decoder layer on one rank (megatron's local spec)."""
+    h, d = model.hidden_size, model.head_dim
+    nq, nkv = model.num_attention_heads, model.num_key_value_heads
+    qkv_out = (nq + 2 * nkv) * d
+    dense = h  # input_layernorm
+    dense += qkv_out // tp * h + (qkv_out // tp if model.attention_bias else 0)  # linear_qkv
+    dense += 2 * d  # q_layernorm, k_layernorm (per head dim, replicated)
+    dense += h * (nq * d // tp)  # linear_proj
+    dense += h  # pre_mlp_layernorm
+    if not model.is_moe:
+        ffn = model.intermediate_size
+        return dense + 2 * ffn // tp * h + h * (ffn // tp), 0
+    dense += model.num_experts * h  # router (replicated over tp)
+    ffn = model.moe_intermediate_size // etp
+    expert = model.num_experts // ep * (2 * ffn * h + h * ffn)
+    return dense, expert
+
+
+def stage_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> StageParams:
+    """Exact parameter count of every rank of pipeline stage `stage`."""
+    _check_divisible(model, layout)
+    layers = model.num_hidden_layers // layout.pp
+    dense, expert = layer_params(model, layout.tp, layout.ep, layout.etp)
+    dense, expert = dense * layers, expert * layers
+    vocab_rows = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
+    if stage == 0:
+        dense += vocab_rows  # embedding.word_embeddings
+    if stage == layout.pp - 1:
+        dense += model.hidden_size  # decoder.final_layernorm
+        if not model.tie_word_embeddings or layout.pp > 1:
+            # Untied output layer; with tied embeddings and pp > 1 megatron keeps a copy of the
+            # embedding on the last stage (kept equal by an all-reduce of its gradient).
+            dense += vocab_rows
+    return StageParams(stage=stage, layers=layers, dense=dense, expert=expert)
+
+
+def model_params(model: ModelConfig) -> int:
+    """Parameters of the whole model (megatron's count on one GPU, vocabulary padded)."""
+    return stage_params(model, ParallelLayout(), 0).total
+
+
+def active_params(model: ModelConfig) -> int:
+    """Parameters one token passes through (embedding row excluded, output layer included)."""
+    dense, expert = layer_params(model)
+    if model.is_moe:
+        expert = expert // model.num_experts * model.num_experts_per_tok
+    per_layer = dense + expert
+    head = model.hidden_size + model.padded_vocab_size(1) * model.hidden_size
+    return model.num_hidden_layers * per_layer + head
+
+
+def _check_divisible(model: ModelConfig, layout: ParallelLayout) -> None:
+    try:
+        layout.check_model(
+            num_layers=model.num_hidden_layers,
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_key_value_heads,
+            num_experts=model.num_experts if model.is_moe else None,
+        )
+    except ValueError as err:
+        raise PlanError(str(err)) from err
+    if model.is_moe and model.moe_intermediate_size % layout.etp:
+        raise PlanError(
+            f"parallel.etp={layout.etp} must divide the model's "
+            f"moe_intermediate_size={model.moe_intermediate_size}"
+        )
+    if not model.is_moe and model.intermediate_size % layout.tp:
+        raise PlanError(
+            f"parallel.tp={layout.tp} must divide the model's "
+            f"intermediate_size={model.intermediate_size}"
+        )
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RolloutShare:
+    """What the rollout engine costs the training GPUs (see ASSUMPTIONS).
+
+    mode: none (servers elsewhere, or no rollout) | embedded | sglang (colocated servers).
+    """
+
+    mode: str = "none"
+    max_batch_tokens: int = 0  # embedded: KV-cache slots of one generation batch
+    mem_fraction: float = 0.0  # sglang: mem_fraction_static of the colocated servers
+    offload: bool = True  # sglang: offload_after_generate
+    idle_gib: float = 2.0  # sglang: what an offloaded server keeps while training
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("none", "embedded", "sglang"):
+            raise PlanError(
+                f"rollout share mode must be none, embedded or sglang, got {self.mode!r}"
+            )
+        if self.mode == "sglang" and not 0 < self.mem_fraction < 1:
+            raise PlanError("colocated SGLang needs mem_fraction_static in (0, 1)")
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    micro_batch_tokens: int
+    microbatches: int = 1 << 20  # per optimizer step and DP rank; caps the in-flight count
+    distributed_optimizer: bool = True
+    recompute: bool = False
+    gpu_memory_gib: float = 80.0
+    rollout: RolloutShare = field(default_factory=RolloutShare)
+    overhead_gib: float = 3.0
+    fragmentation: float = 0.10
+    moe_imbalance: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens < 1 or self.microbatches < 1:
+            raise PlanError("micro-batch tokens and micro-batch count must be >= 1")
+        if self.gpu_memory_gib <= 0:
+            raise PlanError(f"GPU memory must be > 0 GiB, got {self.gpu_memory_gib}")
+        if self.moe_imbalance < 1:
+            raise PlanError(f"MoE imbalance must be >= 1, got {self.moe_imbalance}")
+
+
+# -- activations (estimate) ------------------------------------------------------------------
+
+
+def layer_activation_bytes(
+    model: ModelConfig, layout: ParallelLayout, tokens: float, moe_imbalance: float = 1.0
+) -> float:
+    """Bytes one decoder layer keeps for backward for a micro-batch of `tokens` tokens."""
+    b = DTYPE_BYTES[model.params_dtype]
+    t, cp = layout.tp, layout.cp
+    sp = t if layout.sequence_parallel else 1
+    s = tokens / cp
+    h, d = model.hidden_size, model.head_dim
+    nq, nkv = model.num_attention_heads, model.num_key_value_heads
+    per_token = (
+        2 * h / sp  # input_layernorm input, linear_qkv input
+        + (nq + nkv) * d / t  # q/k layernorm inputs
+        + (nq + 2 * nkv) * d / t  # Q, K, V saved by flash attention
+        + nq * d / t  # attention output (= linear_proj input)
+    )
+    attention = s * b * per_token + s * nq / t * 4  # + softmax log-sum-exp in float32
+    if cp > 1:
+        attention += (cp - 1) * s * 2 * nkv * d / t * b  # K/V gathered from the other CP ranks
+    if not model.is_moe:
+        ffn = model.intermediate_size
+        mlp = s * b * (2 * h / sp + 3 * ffn / t)  # norm, fc1 input, gate/up, SwiGLU output
+        return attention + mlp
+    n = s / sp  # tokens entering the router on this rank
+    routed = n * model.num_experts_per_tok * moe_imbalance
+    mlp = (
+        n * 2 * h * b  # pre_mlp_layernorm input and output
+        + n * model.num_experts * 4 * 3  # router logits, probabilities, aux-loss scores (fp32)
+        + routed * layout.etp * h * b * 2  # expert input and expert output (for the prob grad)
+        + routed * 3 * model.moe_intermediate_size * b  # gate/up (2I/etp * etp) + SwiGLU
+    )
+    return attention + mlp
+
+
+def layer_input_bytes(model: ModelConfig, layout: ParallelLayout, tokens: float) -> float:
+    sp = layout.tp if layout.sequence_parallel else 1
+    return tokens / layout.cp / sp * model.hidden_size * DTYPE_BYTES[model.params_dtype]
+
+
+def in_flight_chunks(layout: ParallelLayout, stage: int, microbatches: int) -> int:
+    """Model-chunk forward passes whose activations a stage holds at its peak (megatron 1F1B)."""
+    if layout.vpp == 1:
+        return min(layout.pp - stage, microbatches)
+    warmup = (layout.pp - stage - 1) * 2 + (layout.vpp - 1) * layout.pp
+    return min(warmup + 1, microbatches * layout.vpp)
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank of a pipeline stage; sizes in GiB."""
+
+    stage: int
+    ranks: tuple[int, int]  # first and last global rank of the stage
+    params: StageParams
+    weights: float
+    grads: float
+    optimizer: float
+    activations_full: float  # without recomputation
+    activations_recompute: float  # with full recomputation
+    activations: float  # the one the run uses
+    in_flight: int
+    rollout_training: float  # rollout engine's memory while training
+    rollout_generating: float  # rollout engine's memory while generating
+    overhead: float
+    fragmentation: float
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def training_peak(self) -> float:
+        return (
+            self.static
+            + self.activations
+            + self.fragmentation
+            + self.rollout_training
+            + (self.overhead)
+        )
+
+    @property
+    def generation_peak(self) -> float:
+        return self.static + self.rollout_generating + self.overhead
+
+    @property
+    def peak(self) -> float:
+        return max(self.training_peak, self.generation_peak)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: ModelConfig
+    layout: ParallelLayout
+    settings: PlanSettings
+    stages: tuple[RankMemory, ...]
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.stages, key=lambda r: r.peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.peak <= self.settings.gpu_memory_gib
+
+    @property
+    def max_sglang_fraction(self) -> float:
+        """Largest colocated SGLang mem_fraction_static the worst stage leaves room for."""
+        room = min(self.settings.gpu_memory_gib - r.static - r.overhead for r in self.stages)
+        return max(0.0, room / self.settings.gpu_memory_gib)
+
+    def table(self) -> str:
+        s = self.settings
+        rows = [
+            f"{'stage':>5} {'ranks':>11} {'params':>8} {'weights':>8} {'grads':>7} "
+            f"{'optim':>7} {'act':>7} {'act(rc)':>7} {'rollout':>7} {'other':>6} "
+            f"{'train':>7} {'gen':>7}  (GiB)"
+        ]
+        for r in self.stages:
+            rollout = max(r.rollout_training, r.rollout_generating)
+            rows.append(
+                f"{r.stage:>5} {f'{r.ranks[0]}-{r.ranks[1]}':>11} "
+                f"{_count(r.params.total):>8} {r.weights:>8.1f} {r.grads:>7.1f} "
+                f"{r.optimizer:>7.1f} {r.activations_full:>7.1f} {r.activations_recompute:>7.1f} "
+                f"{rollout:>7.1f} {r.overhead + r.fragmentation:>6.1f} "
+                f"{r.training_peak:>7.1f} {r.generation_peak:>7.1f}"
+                + ("  <- worst" if r is self.worst and len(self.stages) > 1 else "")
+            )
+        w = self.worst
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        rows.append(
+            f"worst rank: stage {w.stage} (ranks {w.ranks[0]}-{w.ranks[1]}), peak {w.peak:.1f} of "
+            f"{s.gpu_memory_gib:.1f} GiB -> {verdict} "
+            f"(activations {'with' if s.recompute else 'without'} recomputation, "
+            f"{s.micro_batch_tokens} tokens/micro-batch, {w.in_flight} in flight; "
+            f"distributed optimizer {'on' if s.distributed_optimizer else 'off'})"
+        )
+        return "\n".join(rows)
+
+    def advice(self) -> str:
+        """What to change when the plan does not fit."""
+        if self.fits:
+            return ""
+        w, s = self.worst, self.settings
+        if w.static + w.overhead > s.gpu_memory_gib:
+            tip = (
+                f"parameters, gradients and optimizer state alone take {w.static:.1f} GiB per "
+                "GPU: use more GPUs, with more expert parallelism (parallel.ep; experts hold "
+                "most parameters), pipeline stages (parallel.pp) or tensor parallelism "
+                "(parallel.tp)"
+            )
+            if not s.distributed_optimizer:
+                tip += ", or shard the optimizer state: trainer.distributed_optimizer=true"
+            return tip
+        tips = []
+        if not s.recompute and w.activations_full > w.activations_recompute:
+            tips.append("trainer.recompute_activations=true")
+        if w.activations > 1:
+            tips.append("a smaller trainer.max_tokens_per_microbatch")
+        if s.rollout.mode == "sglang":
+            tips.append(
+                f"a colocated SGLang mem_fraction_static <= {self.max_sglang_fraction:.2f} "
+                "(with offload_after_generate), or servers on their own nodes "
+                "(slurm/train_disaggregated.sbatch)"
+            )
+        tips.append("more GPUs")
+        return "; or ".join(tips)
+
+    def to_dict(self) -> dict[str, Any]:
+        w = self.worst
+        return {
+            "fits": self.fits,
+            "gpu_memory_gib": self.settings.gpu_memory_gib,
+            "worst_stage": w.stage,
+            "worst_ranks": list(w.ranks),
+            "worst_peak_gib": round(w.peak, 3),
+            "model_params": model_params(self.model),
+            "active_params": active_params(self.model),
+            "layout": self.layout.describe(),
+            "stages": [
+                {
+                    "stage": r.stage,
+                    "ranks": list(r.ranks),
+                    "params": r.params.total,
+                    "dense_params": r.params.dense,
+                    "expert_params": r.params.expert,
+                    "weights_gib": r.weights,
+                    "grads_gib": r.grads,
+                    "optimizer_gib": r.optimizer,
+                    "activations_gib": r.activations,
+                    "activations_no_recompute_gib": r.activations_full,
+                    "activations_recompute_gib": r.activations_recompute,
+                    "in_flight": r.in_flight,
+                    "rollout_training_gib": r.rollout_training,
+                    "rollout_generating_gib": r.rollout_generating,
+                    "overhead_gib": r.overhead + r.fragmentation,
+                    "training_peak_gib": r.training_peak,
+                    "generation_peak_gib": r.generation_peak,
+                }
+                for r in self.stages
+            ],
+        }
+
+
+def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> MemoryPlan:
+    """The per-stage memory plan of `model` trained on `layout`."""
+    b = DTYPE_BYTES[model.params_dtype]
+    # Adam: exp_avg + exp_avg_sq, plus a float32 master copy of low-precision weights.
+    optim_bytes = 8 + (4 if b < 4 else 0)
+    dense_shard = layout.dp * layout.cp if settings.distributed_optimizer else 1
+    expert_shard = layout.edp if settings.distributed_optimizer else 1
+    tokens = settings.micro_batch_tokens
+    layer_act = layer_activation_bytes(model, layout, tokens, settings.moe_imbalance)
+    layer_in = layer_input_bytes(model, layout, tokens)
+    per_stage = layout.world_size // layout.pp
+    chunk_layers = model.num_hidden_layers // (layout.pp * layout.vpp)
+    stages = []
+    for stage in range(layout.pp):
+        params = stage_params(model, layout, stage)
+        chunks = in_flight_chunks(layout, stage, settings.microbatches)
+        full = chunks * chunk_layers * layer_act
+        recompute = chunks * chunk_layers * layer_in + layer_act
+        if stage == layout.pp - 1:
+            vocab = model.padded_vocab_size(layout.tp) // layout.tp
+            head = 2 * tokens / layout.cp * vocab * b + 0.25 * GIB  # logits + grad, fp32 chunks
+            head += 2 * layer_in  # final norm input, output-layer input
+            full += head
+            recompute += head
+        act = recompute if settings.recompute else full
+        gen, train = _rollout_share(model, layout, settings, stage)
+        stages.append(
+            RankMemory(
+                stage=stage,
+                ranks=(stage * per_stage, (stage + 1) * per_stage - 1),
+                params=params,
+                weights=params.total * b / GIB,
+                grads=params.total * 4 / GIB,
+                optimizer=optim_bytes
+                * (params.dense / dense_shard + params.expert / expert_shard)
+                / GIB,
+                activations_full=full / GIB,
+                activations_recompute=recompute / GIB,
+                activations=act / GIB,
+                in_flight=chunks,
+                rollout_training=train,
+                rollout_generating=gen,
+                overhead=settings.overhead_gib,
+                fragmentation=settings.fragmentation * act / GIB,
+            )
+        )
+    return MemoryPlan(model=model, layout=layout, settings=settings, stages=tuple(stages))
+
+
+def _rollout_share(
+    model: ModelConfig, layout: ParallelLayout, settings: PlanSettings, stage: int
+) -> tuple[float, float]:
+    """(while generating, while training) GiB of the colocated rollout engine."""
+    r = settings.rollout
+    if r.mode == "embedded":
+        b = DTYPE_BYTES[model.params_dtype]
+        layers = model.num_hidden_layers // layout.pp
+        kv_heads = math.ceil(model.num_key_value_heads / layout.tp)
+        cache = r.max_batch_tokens * layers * 2 * kv_heads * model.head_dim * b
+        prefill = layer_activation_bytes(model, layout, r.max_batch_tokens * layout.cp)
+        return (cache + prefill) / GIB, 0.0
+    if r.mode == "sglang":
+        held = r.mem_fraction * settings.gpu_memory_gib
+        return held, (r.idle_gib if r.offload else held)
+    return 0.0, 0.0
+
+
+def _count(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+# -- from the run configuration ------------------------------------------------------------------
+
+
+def compose(overrides: list[str]) -> dict[str, Any]:
+    """The config `gspo-train OVERRIDES` composes (hydra.* overrides are left out)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    own = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=own)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def settings_from_config(
+    run_cfg: Any,
+    model: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    gpu_memory_gib: float,
+    recompute: bool | None = None,
+    moe_imbalance: float = 1.0,
+    overhead_gib: float = 3.0,
+) -> PlanSettings:
+    """PlanSettings for a resolved RunConfig (gspo_megatron.config.resolve)."""
+    trainer, rollout, alg = run_cfg.trainer, run_cfg.rollout, run_cfg.algorithm
+    responses = rollout.prompts_per_step * rollout.group_size
+    per_rank = max(1, responses // alg.num_minibatches // layout.dp)
+    step_tokens = per_rank * trainer.max_sequence_length
+    tokens = min(trainer.max_tokens_per_microbatch, step_tokens)
+    microbatches = max(1, math.ceil(step_tokens / trainer.max_tokens_per_microbatch))
+    return PlanSettings(
+        micro_batch_tokens=tokens,
+        microbatches=microbatches,
+        distributed_optimizer=trainer.distributed_optimizer,
+        recompute=trainer.recompute_activations if recompute is None else recompute,
+        gpu_memory_gib=gpu_memory_gib,
+        rollout=rollout_share_from_config(rollout),
+        moe_imbalance=moe_imbalance,
+        overhead_gib=overhead_gib,
+    )
+
+
+# SGLang's own default when mem_fraction_static is not set (it takes most of the GPU).
+SGLANG_DEFAULT_MEM_FRACTION = 0.88
+
+
+def rollout_share_from_config(rollout: Any) -> RolloutShare:
+    """Colocated or not, from rollout.engine and rollout.sglang."""
+    if rollout.engine == "embedded":
+        return RolloutShare(mode="embedded", max_batch_tokens=rollout.max_batch_tokens)
+    sglang = rollout.sglang or {}
+    launch = sglang.get("launch") or []
+    if not launch:  # attached to servers: on their own GPUs (disaggregated)
+        return RolloutShare(mode="none")
+    fractions = [
+        (entry or {}).get("mem_fraction_static") or SGLANG_DEFAULT_MEM_FRACTION for entry in launch
+    ]
+    return RolloutShare(
+        mode="sglang",
+        mem_fraction=max(fractions),
+        offload=bool(sglang.get("offload_after_generate", False)),
+    )

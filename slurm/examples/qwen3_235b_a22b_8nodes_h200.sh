@@ -1,0 +1,25 @@
+#!/bin/bash
+# Qwen3-235B-A22B, GSPO on math prompts, 8 nodes x 8 H200 (141 GB), colocated.
+# Layout: tp 4 (+SP) x pp 2, experts ep 32 (dp 8, edp 1); full recomputation; micro-batches of
+# 18432 tokens. tools/plan_memory.py: worst rank (stage 1) 76.0 of 139.8 GiB.
+#
+#   HF_DIR=/ckpt/Qwen3-235B-A22B DATA=/data/math_train.jsonl \
+#     bash slurm/examples/qwen3_235b_a22b_8nodes_h200.sh [more overrides]
+#   bash slurm/examples/qwen3_235b_a22b_8nodes_h200.sh --dry-run   # checks only
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+nodes=8 gpus=8 gpu_gib=139.8
+overrides=(
+  model=qwen3_235b_a22b "model.init_from=${HF_DIR:-/ckpt/Qwen3-235B-A22B}"
+  parallel.tp=4 parallel.pp=2 parallel.ep=32 parallel.sequence_parallel=true
+  data=jsonl "data.train_files=[${DATA:-/data/math_train.jsonl}]" reward=math
+  algorithm=gspo rollout.prompts_per_step=128 rollout.group_size=8 rollout.max_new_tokens=8192
+  trainer.max_sequence_length=9216 trainer.max_tokens_per_microbatch=18432
+  trainer.recompute_activations=true trainer.lr=1e-6 trainer.steps=300 trainer.save_every=5
+)
+if [[ "${1:-}" == --dry-run ]]; then
+  exec "${GSPO_PYTHON:-python}" -m gspo_megatron.slurm preflight --dry-run --nodes "$nodes" \
+    --gpus-per-node "$gpus" --gpu-memory-gib "$gpu_gib" "${overrides[@]}" "${@:2}"
+fi
+exec sbatch --nodes="$nodes" --gpus-per-node="$gpus" --signal=B:TERM@1200 slurm/train.sbatch \
+  "${overrides[@]}" "$@"

@@ -1,0 +1,89 @@
+"""Count the parameters of megatron's own model, per rank, for the planner test.
+
+For each case (preset, layout, ranks) this process joins a *fake* process group of the layout's
+world size as the given rank (torch's test backend: no other process, collectives are no-ops),
+initialises megatron's parallel state, builds the policy with gspo_megatron.megatron.model on the
+meta device (no memory, no initialisation) and prints one JSON line per rank with the numbers of
+dense and expert (`.mlp.experts.`) parameters.
+
+    python tests/planner/count_worker.py '[{"preset": "tiny_moe", "world": 1, "ranks": [0],
+                                           "layout": {}}]'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import warnings
+
+from gspo_megatron.megatron import cpu_compat
+
+cpu_compat.apply()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+from gspo_megatron.megatron.layout import ParallelLayout  # noqa: E402
+from gspo_megatron.megatron.model import build_model_chunks, transformer_config  # noqa: E402
+from gspo_megatron.megatron.model_config import load_preset  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+def count(preset: str, layout: ParallelLayout, rank: int) -> dict:
+    model = load_preset(preset)
+    dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            create_gloo_process_groups=False,
+        )
+        config = dataclasses.replace(
+            transformer_config(model, layout), perform_initialization=False
+        )
+        with torch.device("meta"):
+            chunks = build_model_chunks(model, layout, config=config, use_te=False)
+        params = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
+        expert = sum(p.numel() for n, p in params if ".mlp.experts." in n)
+        total = sum(p.numel() for _, p in params)
+        return {
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+            "dense": total - expert,
+            "expert": expert,
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    for case in json.loads(sys.argv[1]):
+        layout = ParallelLayout(world_size=case["world"], **case["layout"])
+        for rank in case["ranks"]:
+            out = count(case["preset"], layout, rank)
+            print(
+                json.dumps(
+                    {
+                        "preset": case["preset"],
+                        "world": case["world"],
+                        "layout": case["layout"],
+                        "rank": rank,
+                        **out,
+                    }
+                ),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""The memory planner: exact parameter counts against megatron's own model, the arithmetic of
+the estimate, and layouts that do not fit being refused (tools/plan_memory.py and the preflight)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from launch import REPO, run_worker
+
+from gspo_megatron.megatron.layout import ParallelLayout
+from gspo_megatron.megatron.model_config import PRESET_DIR, load_preset
+from gspo_megatron.memory_plan import (
+    PlanError,
+    PlanSettings,
+    RolloutShare,
+    in_flight_chunks,
+    model_params,
+    plan,
+    stage_params,
+)
+
+WORKER = Path(__file__).resolve().parent / "count_worker.py"
+PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+# (preset, world size, layout): every preset on one GPU, and sharded layouts that exercise each
+# term (TP vocabulary padding, PP first/last stage, VPP chunks, EP/ETP experts, tied embeddings
+# with PP, CP), including the example layouts of slurm/examples.
+LAYOUTS = [(name, 1, {}) for name in PRESETS] + [
+    ("tiny_moe", 8, dict(tp=2, pp=2, ep=2, etp=2, sequence_parallel=True)),
+    ("tiny_dense", 4, dict(tp=2, pp=2)),
+    ("qwen3_0_6b", 8, dict(tp=2, pp=2, vpp=7, cp=2)),
+    ("moe_1b", 16, dict(tp=2, pp=2, vpp=2, ep=4, sequence_parallel=True)),
+    ("qwen3_30b_a3b", 16, dict(tp=2, pp=2, ep=8, sequence_parallel=True)),
+    ("qwen3_30b_a3b", 32, dict(tp=2, pp=2, ep=16, sequence_parallel=True)),
+    ("qwen3_235b_a22b", 128, dict(tp=4, pp=2, ep=64, sequence_parallel=True)),
+    ("qwen3_235b_a22b", 64, dict(tp=4, pp=2, ep=32, sequence_parallel=True)),
+]
+
+
+def _ranks(world: int, layout: dict) -> list[int]:
+    """First and last rank of every pipeline stage (megatron orders ranks tp-cp-ep-dp-pp)."""
+    pp = layout.get("pp", 1)
+    per_stage = world // pp
+    return sorted({r for s in range(pp) for r in (s * per_stage, (s + 1) * per_stage - 1)})
+
+
+@pytest.fixture(scope="module")
+def megatron_counts() -> list[dict]:
+    cases = [
+        {"preset": p, "world": w, "layout": lay, "ranks": _ranks(w, lay)} for p, w, lay in LAYOUTS
+    ]
+    return run_worker(WORKER, [json.dumps(cases)], timeout=600)
+
+
+def test_parameter_counts_equal_megatrons_for_every_preset(megatron_counts):
+    assert {r["preset"] for r in megatron_counts} == set(PRESETS)
+    assert len(megatron_counts) == sum(len(_ranks(w, lay)) for _, w, lay in LAYOUTS)
+    for row in megatron_counts:
+        model = load_preset(row["preset"])
+        layout = ParallelLayout(world_size=row["world"], **row["layout"])
+        mine = stage_params(model, layout, row["pp_rank"])
+        where = f"{row['preset']} {layout.describe()} rank {row['rank']}"
+        assert (mine.dense, mine.expert) == (row["dense"], row["expert"]), where
+        if row["world"] == 1:
+            assert model_params(model) == row["dense"] + row["expert"], where
+
+
+def test_released_models_have_their_published_sizes():
+    # Qwen3-30B-A3B: 30.5B total; Qwen3-235B-A22B: 235B (vocabulary 151936 needs no padding).
+    assert model_params(load_preset("qwen3_30b_a3b")) == 30_532_122_624
+    assert model_params(load_preset("qwen3_235b_a22b")) == 235_093_634_560
+
+
+def _plan(preset: str, world: int, gpu_gib: float = 79.6, **kwargs) -> object:
+    layout_keys = {"tp", "pp", "vpp", "cp", "ep", "etp", "sequence_parallel"}
+    layout = ParallelLayout(
+        world_size=world, **{k: v for k, v in kwargs.items() if k in layout_keys}
+    )
+    settings = PlanSettings(
+        gpu_memory_gib=gpu_gib, **{k: v for k, v in kwargs.items() if k not in layout_keys}
+    )
+    return plan(load_preset(preset), layout, settings)
+
+
+def test_optimizer_state_is_sharded_over_data_parallel_ranks():
+    common = dict(micro_batch_tokens=4096, tp=2, sequence_parallel=True, ep=8)
+    on = _plan("qwen3_30b_a3b", 64, distributed_optimizer=True, **common)
+    off = _plan("qwen3_30b_a3b", 64, distributed_optimizer=False, **common)
+    a, b = on.stages[0], off.stages[0]
+    assert a.weights == b.weights and a.grads == b.grads
+    # bf16 weights: 12 bytes per parameter (fp32 master + Adam moments), / dp*cp or / edp.
+    layout = on.layout
+    expected = 12 * (a.params.dense / (layout.dp * layout.cp) + a.params.expert / layout.edp)
+    assert a.optimizer * 2**30 == pytest.approx(expected)
+    assert b.optimizer * 2**30 == pytest.approx(12 * a.params.total)
+    assert a.grads * 2**30 == pytest.approx(4 * a.params.total)  # fp32 gradient buffer
+
+
+def test_fp32_weights_have_no_master_copy():
+    p = _plan("tiny_moe", 1, micro_batch_tokens=64)
+    r = p.stages[0]
+    assert r.optimizer * 2**30 == pytest.approx(8 * r.params.total)
+    assert r.weights * 2**30 == pytest.approx(4 * r.params.total)
+
+
+def test_recompute_and_pipeline_in_flight_counts():
+    full = _plan("moe_1b", 8, micro_batch_tokens=8192, pp=4, ep=2)
+    rc = _plan("moe_1b", 8, micro_batch_tokens=8192, pp=4, ep=2, recompute=True)
+    assert [r.in_flight for r in full.stages] == [4, 3, 2, 1]  # 1F1B warm-up + 1
+    for a, b in zip(full.stages, rc.stages, strict=True):
+        assert b.activations < a.activations
+        assert (a.activations_full, a.activations_recompute) == (
+            b.activations_full,
+            b.activations_recompute,
+        )
+    # Interleaved: megatron's warm-up 2*(pp-stage-1) + (vpp-1)*pp, plus one.
+    layout = ParallelLayout(world_size=8, pp=4, vpp=2, ep=2)
+    assert [in_flight_chunks(layout, s, 100) for s in range(4)] == [11, 9, 7, 5]
+    assert in_flight_chunks(layout, 0, 2) == 4  # capped by micro-batches x chunks
+    few = _plan("moe_1b", 8, micro_batch_tokens=8192, pp=4, ep=2, microbatches=2)
+    assert [r.in_flight for r in few.stages] == [2, 2, 2, 1]
+
+
+def test_rollout_shares():
+    embedded = _plan(
+        "moe_1b",
+        1,
+        micro_batch_tokens=4096,
+        rollout=RolloutShare(mode="embedded", max_batch_tokens=65536),
+    )
+    r = embedded.stages[0]
+    assert r.rollout_generating > 0 and r.rollout_training == 0
+    sglang = _plan(
+        "moe_1b",
+        1,
+        gpu_gib=80,
+        micro_batch_tokens=4096,
+        rollout=RolloutShare(mode="sglang", mem_fraction=0.5, offload=True),
+    )
+    r = sglang.stages[0]
+    assert r.rollout_generating == 40 and r.rollout_training == 2.0
+    no_offload = _plan(
+        "moe_1b",
+        1,
+        gpu_gib=80,
+        micro_batch_tokens=4096,
+        rollout=RolloutShare(mode="sglang", mem_fraction=0.5, offload=False),
+    )
+    assert no_offload.stages[0].rollout_training == 40
+    assert 0 < sglang.max_sglang_fraction < 1
+    with pytest.raises(PlanError, match="mem_fraction_static"):
+        RolloutShare(mode="sglang")
+
+
+def test_worst_rank_is_reported():
+    p = _plan(
+        "qwen3_30b_a3b", 16, micro_batch_tokens=18432, tp=2, pp=2, ep=8, sequence_parallel=True
+    )
+    assert p.worst.peak == max(r.peak for r in p.stages)
+    assert p.stages[0].ranks == (0, 7) and p.stages[1].ranks == (8, 15)
+    assert "worst rank: stage" in p.table()
+
+
+def test_a_known_too_small_layout_is_rejected():
+    # Qwen3-235B-A22B on 4 nodes x 8 H100-80GB: ~7B expert parameters per GPU with their
+    # gradients and unsharded optimizer state (edp = 1) cannot fit.
+    p = _plan(
+        "qwen3_235b_a22b",
+        32,
+        micro_batch_tokens=18432,
+        tp=4,
+        pp=2,
+        ep=16,
+        sequence_parallel=True,
+        recompute=True,
+    )
+    assert not p.fits
+    assert p.worst.static > 79.6
+    assert "parallel.ep" in p.advice()
+    # ... and on 16 nodes it fits.
+    p = _plan(
+        "qwen3_235b_a22b",
+        128,
+        micro_batch_tokens=18432,
+        tp=4,
+        pp=2,
+        ep=64,
+        sequence_parallel=True,
+        recompute=True,
+    )
+    assert p.fits
+
+
+def test_layouts_that_do_not_divide_the_model_are_refused():
+    with pytest.raises(PlanError, match="94 layers"):
+        _plan(
+            "qwen3_235b_a22b",
+            128,
+            micro_batch_tokens=1024,
+            tp=4,
+            pp=8,
+            ep=16,
+            sequence_parallel=True,
+        )
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location(
+        "plan_memory_tool", REPO / "tools" / "plan_memory.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tool_reports_fit_and_refuses_a_too_small_layout(capsys):
+    tool = _load_tool()
+
+    def _tool(*args: str) -> subprocess.CompletedProcess:
+        code = tool.main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+    big = [
+        "model=qwen3_235b_a22b",
+        "parallel.tp=4",
+        "parallel.pp=2",
+        "parallel.sequence_parallel=true",
+        "trainer.max_sequence_length=9216",
+        "trainer.max_tokens_per_microbatch=18432",
+        "trainer.recompute_activations=true",
+    ]
+    proc = _tool("--nodes", "4", "parallel.ep=16", *big)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "DOES NOT FIT" in proc.stdout and "worst rank: stage" in proc.stdout
+    proc = _tool("--nodes", "16", "--json", "parallel.ep=64", *big)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["fits"] and out["model_params"] == 235_093_634_560
+    assert len(out["stages"]) == 2 and out["worst_stage"] in (0, 1)
+    proc = _tool("--assumptions", "--nodes", "1", "--gpus-per-node", "2", "parallel=ep2")
+    assert proc.returncode == 0 and "Assumptions" in proc.stdout
+    proc = _tool("--nodes", "1", "--gpus-per-node", "3", "parallel=ep2")
+    assert proc.returncode == 2 and "not divisible" in proc.stderr
