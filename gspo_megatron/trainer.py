@@ -379,6 +379,8 @@ class Trainer:
     def resume(self) -> None:
         state = self.files.resume(self.engine, self.cfg.trainer.resume)
         if state is None:
+            # Records of an earlier attempt that left no checkpoint would otherwise repeat steps.
+            self.log.truncate(0)
             self.log.note("starting from step 0")
             return
         self.step = int(state["step"])

@@ -1,0 +1,261 @@
+"""Figures and a summary table for a reproduction experiment, from the runs' metrics.jsonl.
+
+    python benchmarks/reproduce/report.py all --out outputs/reproduce --figures docs/figures
+
+(run.py calls this after every run.) Each figure shows, per method, the mean over seeds as a
+line and the min-max over seeds as a band; per-step training curves are first averaged over a
+trailing window (the figure's `smooth`). The summary (markdown and JSON, in --out) gives each
+quantity as mean ± std over seeds, with the per-seed values in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from experiments import DEFAULT_SEEDS, DEFAULT_STEPS, EXPERIMENTS, METHODS  # noqa: E402
+
+LAST_STEPS = 30  # "final" training values: mean over the last 30 steps
+LAST_EVALS = 3  # "final" held-out values: mean over the last 3 evaluations
+HELDOUT_TARGET = 0.5  # steps to reach this held-out pass@1
+
+
+def load_metrics(directory: Path) -> list[dict]:
+    path = directory / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_complete(directory: Path, steps: int) -> bool:
+    records = load_metrics(directory)
+    return bool(records) and records[-1].get("step") == steps and len(records) == steps
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], float(r[key])) for r in records if key in r and _finite(r[key])]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def run_summary(records: list[dict]) -> dict[str, float | None]:
+    """The per-run quantities of the summary table."""
+    _, reward = series(records, "reward/mean")
+    _, accuracy = series(records, "reward/accuracy")
+    eval_steps, heldout = series(records, "eval/pass@1")
+    reached = [s for s, v in zip(eval_steps, heldout, strict=True) if v >= HELDOUT_TARGET]
+
+    def mean_of(key: str) -> float | None:
+        values = series(records, key)[1]
+        return statistics.fmean(values) if values else None
+
+    _, step_times = series(records, "time/step")
+    return {
+        "reward_final": statistics.fmean(reward[-LAST_STEPS:]) if reward else None,
+        "reward_mean_all_steps": statistics.fmean(reward) if reward else None,
+        "accuracy_final": statistics.fmean(accuracy[-LAST_STEPS:]) if accuracy else None,
+        "heldout_final": statistics.fmean(heldout[-LAST_EVALS:]) if heldout else None,
+        "heldout_best": max(heldout) if heldout else None,
+        f"steps_to_heldout_{HELDOUT_TARGET}": float(reached[0]) if reached else None,
+        "clip_fraction": mean_of("actor/clip_fraction"),
+        "seq_clip_fraction": mean_of("actor/seq_clip_fraction"),
+        "route_change_fraction": mean_of("moe/route_change_fraction"),
+        "route_change_first_100": _mean_window(records, "moe/route_change_fraction", 1, 100),
+        "s_per_step_median": statistics.median(step_times) if step_times else None,
+    }
+
+
+def collect(
+    methods: tuple[str, ...], out: Path, seeds: list[int], steps: int
+) -> dict[str, dict[int, list[dict]]]:
+    """Complete runs only: method -> seed -> records."""
+    runs: dict[str, dict[int, list[dict]]] = {}
+    for method in methods:
+        for seed in seeds:
+            directory = out / method / f"seed{seed}"
+            if run_complete(directory, steps):
+                runs.setdefault(method, {})[seed] = load_metrics(directory)
+    return runs
+
+
+def plot_figure(runs, figure, path: Path, steps: int) -> None:
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for method, by_seed in runs.items():
+        if method in figure.exclude:
+            continue
+        curves = []
+        for records in by_seed.values():
+            xs, ys = series(records, figure.metric)
+            if xs:
+                curves.append((xs, smooth(ys, figure.smooth)))
+        if not curves:
+            continue
+        common = sorted(set.intersection(*(set(xs) for xs, _ in curves)))
+        columns = [[dict(zip(xs, ys, strict=True))[s] for s in common] for xs, ys in curves]
+        by_step = list(zip(*columns, strict=True))
+        mean = [statistics.fmean(v) for v in by_step]
+        low, high = [min(v) for v in by_step], [max(v) for v in by_step]
+        if figure.log_y:
+            floor = 1e-5
+            mean, low, high = ([max(v, floor) for v in vs] for vs in (mean, low, high))
+        spec = METHODS[method]
+        ax.plot(common, mean, color=spec.color, label=f"{spec.label} (n={len(curves)})")
+        ax.fill_between(common, low, high, color=spec.color, alpha=0.18, linewidth=0)
+    if figure.log_y:
+        ax.set_yscale("log")
+    smoothing = f", {figure.smooth}-step trailing mean" if figure.smooth > 1 else ""
+    ax.set_title(f"{figure.title}\nmean over seeds, band = min-max{smoothing}", fontsize=10)
+    ax.set_xlabel(f"RL step (128 rollout samples, 4 optimizer steps each; {steps} steps)")
+    ax.set_ylabel(figure.metric)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summarize(runs) -> dict[str, dict]:
+    table: dict[str, dict] = {}
+    for method, by_seed in runs.items():
+        per_seed = {seed: run_summary(records) for seed, records in sorted(by_seed.items())}
+        keys = next(iter(per_seed.values())).keys()
+        stats = {}
+        for key in keys:
+            values = [v[key] for v in per_seed.values() if v[key] is not None]
+            stats[key] = {
+                "mean": statistics.fmean(values) if values else None,
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0 if values else None,
+                "n": len(values),
+            }
+        table[method] = {"seeds": sorted(by_seed), "stats": stats, "per_seed": per_seed}
+    return table
+
+
+def _fmt(stat: dict, key: str) -> str:
+    if stat["mean"] is None:
+        return "–"
+    small = key in (
+        "clip_fraction",
+        "seq_clip_fraction",
+        "route_change_fraction",
+        "route_change_first_100",
+    )
+    fmt = "{:.2e}" if small and abs(stat["mean"]) < 1e-2 else "{:.3f}"
+    if key.startswith("steps_to"):
+        fmt = "{:.0f}"
+    text = fmt.format(stat["mean"])
+    if stat["n"] > 1:
+        text += " ± " + fmt.format(stat["std"])
+    return text
+
+
+COLUMNS = [
+    ("reward_final", f"train reward (last {LAST_STEPS})"),
+    ("heldout_final", f"held-out pass@1 (last {LAST_EVALS} evals)"),
+    ("reward_mean_all_steps", "train reward (mean, all steps)"),
+    (f"steps_to_heldout_{HELDOUT_TARGET}", f"steps to held-out ≥ {HELDOUT_TARGET}"),
+    ("clip_fraction", "token clip fraction"),
+    ("seq_clip_fraction", "seq clip fraction"),
+    ("route_change_fraction", "route-change fraction"),
+    ("route_change_first_100", "route-change, steps 1-100"),
+    ("s_per_step_median", "s/step (median)"),
+]
+
+
+def markdown_table(table: dict[str, dict]) -> str:
+    header = "| method | seeds | " + " | ".join(title for _, title in COLUMNS) + " |"
+    rule = "|" + "---|" * (len(COLUMNS) + 2)
+    rows = [header, rule]
+    for method, entry in table.items():
+        cells = []
+        for key, _ in COLUMNS:
+            stat = entry["stats"][key]
+            cell = _fmt(stat, key)
+            if stat["n"] and stat["n"] < len(entry["seeds"]):
+                cell += f" ({stat['n']}/{len(entry['seeds'])} seeds)"
+            cells.append(cell)
+        seeds = ",".join(str(s) for s in entry["seeds"])
+        rows.append(f"| {METHODS[method].label} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def write_report(
+    experiment_name: str, out: Path, seeds: list[int], steps: int, figures: Path
+) -> list[Path]:
+    experiment = EXPERIMENTS[experiment_name]
+    runs = collect(experiment.methods, out, seeds, steps)
+    written: list[Path] = []
+    if not runs:
+        return written
+    for figure in experiment.figures:
+        path = figures / f"{experiment_name}_{figure.name}.png"
+        plot_figure(runs, figure, path, steps)
+        written.append(path)
+    table = summarize(runs)
+    summary_json = out / f"{experiment_name}_summary.json"
+    summary_json.write_text(json.dumps({"steps": steps, "methods": table}, indent=2))
+    summary_md = out / f"{experiment_name}_summary.md"
+    missing = [
+        f"{m} seed {s}" for m in experiment.methods for s in seeds if s not in runs.get(m, {})
+    ]
+    lines = [
+        f"# {experiment_name}: {experiment.claim}",
+        "",
+        f"{steps} RL steps per run; mean ± std over seeds.",
+        "",
+        markdown_table(table),
+        "",
+    ]
+    if missing:
+        lines += [f"Not finished yet: {', '.join(missing)}.", ""]
+    summary_md.write_text("\n".join(lines))
+    written += [summary_md, summary_json]
+    return written
+
+
+def _mean_window(records: list[dict], key: str, first: int, last: int) -> float | None:
+    values = [v for s, v in zip(*series(records, key), strict=True) if first <= s <= last]
+    return statistics.fmean(values) if values else None
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
+    parser.add_argument("--figures", type=Path, default=None)
+    args = parser.parse_args(argv)
+    figures = args.figures or args.out / "figures"
+    for path in write_report(args.experiment, args.out, args.seeds, args.steps, figures):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
