@@ -56,7 +56,7 @@ def ensure_megatron(wheels: Path) -> str:
     found = sorted(wheels.glob("megatron_core-*.whl")) if wheels.is_dir() else []
     if not found:
         raise SystemExit(
-            f"gpu_check: megatron.core is not importable and no megatron_core-*.whl is in {wheels}; "
+            f"gpu_check: megatron.core is not importable and no megatron_core-*.whl in {wheels}; "
             "bring the wheel (pip download --no-deps megatron-core==0.19.2) and pass --wheels DIR"
         )
     cmd = [
