@@ -104,6 +104,7 @@ class Trainer:
         last: dict[str, float] = {}
         while self.step < self.cfg.trainer.steps and not self.stop_requested:
             started = time.perf_counter()
+            cpu_started = time.process_time()
             timings: dict[str, float] = {}
             with _timed(timings, "generate"):
                 batch = self.generate()
@@ -116,6 +117,7 @@ class Trainer:
                 self.sync_weights()
             self.step += 1
             timings["step"] = time.perf_counter() - started
+            timings["step_cpu"] = time.process_time() - cpu_started
             last = self.step_metrics(batch, train_metrics, timings)
             if self._due(self.cfg.trainer.eval_every) or self.step == self.cfg.trainer.steps:
                 last.update(self.evaluate())
@@ -315,6 +317,12 @@ class Trainer:
             values = [m[key] for m in per_step if key in m]
             combine = max if key.endswith("_max") else min if key.endswith("_min") else np.mean
             merged[key] = float(combine(values))
+        # Route changes after k updates since the old-policy forward (the paper's per-update view).
+        for k, m in enumerate(per_step):
+            if "moe/route_change_fraction" in m:
+                merged[f"moe/route_change_fraction_after_{k}_updates"] = m[
+                    "moe/route_change_fraction"
+                ]
         merged["skipped_steps"] = float(sum(m.get("skipped", 0.0) for m in per_step))
         merged.pop("skipped", None)
         merged.pop("num_microbatches", None)
