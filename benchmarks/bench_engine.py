@@ -5,11 +5,12 @@
 1. Step time: one GSPO optimizer step vs one plain cross-entropy step (megatron's
    vocab_parallel_cross_entropy) on the same tokens, same model, same schedule and optimizer;
    alternated, median ratio (goal <= 1.05x).
-2. Memory of per-token log-probs + entropy at a Qwen3 vocabulary, each variant in a fresh
-   subprocess measuring its peak RSS above the logits it was given: our chunked computation vs
-   a plain float32 log_softmax, relative to the size of the (bf16) logits tensor (goal: our extra
-   <= 10% of the logits; the backward's gradient w.r.t. the logits, the same size as the logits
-   and needed by any method, is reported apart).
+2. Memory of per-token log-probs + entropy at a Qwen3 vocabulary: peak RSS growth above the
+   logits, each variant in fresh subprocesses (median of 3, since the C allocator keeps some
+   freed memory), for our chunked computation vs a plain float32 log_softmax, relative to the
+   size of the (bf16) logits tensor (goal: our extra <= 10% of the logits; the backward's
+   gradient w.r.t. the logits, the same size as the logits and needed by any method, is
+   reported apart).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def step_times(steps: int) -> None:
     def gspo_step() -> None:
         engine.train_step(samples, LossSettings("gspo"))
 
+    def gspo_step_without_entropy() -> None:
+        engine.settings.entropy_metric = False
+        engine.train_step(samples, LossSettings("gspo"))
+        engine.settings.entropy_metric = True
+
     # megatron is imported only after gspo_megatron.megatron installed its CPU shims.
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -91,26 +97,25 @@ def step_times(steps: int) -> None:
         engine._run_schedule(samples, loss_fn, forward_only=False, token_advantages=False)
         engine.optimizer.step()
 
-    ratios, gspo_s, ce_s = [], [], []
+    variants = {
+        "gspo step": gspo_step,
+        "gspo step, no entropy metric": gspo_step_without_entropy,
+        "cross-entropy step": ce_step,
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
     for i in range(steps + 2):
-        t0 = time.perf_counter()
-        gspo_step()
-        t1 = time.perf_counter()
-        ce_step()
-        t2 = time.perf_counter()
-        if i >= 2:  # warm-up
-            gspo_s.append(t1 - t0)
-            ce_s.append(t2 - t1)
-            ratios.append((t1 - t0) / (t2 - t1))
+        for name, step in variants.items():
+            start = time.perf_counter()
+            step()
+            if i >= 2:  # warm-up
+                seconds[name].append(time.perf_counter() - start)
     tokens = sum(s.length for s in samples)
-    print(f"step time ({len(ratios)} alternated pairs, {tokens} tokens, vocab 8192, CPU):")
-    print(f"  gspo step          {statistics.median(gspo_s):8.3f} s")
-    print(f"  cross-entropy step {statistics.median(ce_s):8.3f} s")
-    print(
-        f"  ratio gspo / ce    {statistics.median(ratios):8.3f}x median of pairs, "
-        f"{statistics.median(gspo_s) / statistics.median(ce_s):.3f}x of medians "
-        "(goal <= 1.05x)"
-    )
+    ce = seconds["cross-entropy step"]
+    print(f"step time ({steps} rounds, variants alternated, {tokens} tokens, vocab 8192, CPU):")
+    for name, times in seconds.items():
+        ratio = statistics.median(t / c for t, c in zip(times, ce, strict=True))
+        print(f"  {name:<30} {statistics.median(times):7.3f} s   {ratio:6.3f}x cross-entropy")
+    print("  goal: gspo <= 1.05x cross-entropy")
     parallel.destroy()
 
 
@@ -123,6 +128,10 @@ def memory_probe(variant: str, tokens: int, vocab: int) -> None:
     torch.manual_seed(0)
     logits = (torch.randn(tokens, vocab, dtype=torch.bfloat16)).requires_grad_(True)
     targets = torch.randint(0, vocab, (tokens,))
+    # Warm up on a few tokens first: thread pools and lazy kernel state are not our extra.
+    few = logits[:4].detach().clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(few, targets[:4], vocab_size=vocab)
+    (lp.sum() + ent.sum()).backward()
     base = _rss_peak()
     if variant == "chunked":
         lp, ent = vocab_parallel_logprobs(logits, targets, vocab_size=vocab)
@@ -133,15 +142,12 @@ def memory_probe(variant: str, tokens: int, vocab: int) -> None:
     forward_peak = _rss_peak()
     (lp.sum() + ent.sum()).backward()
     backward_peak = _rss_peak()
-    print(
-        json.dumps(
-            {
-                "forward": forward_peak - base,
-                "backward": backward_peak - base,
-                "logits": logits.numel() * logits.element_size(),
-            }
-        )
-    )
+    result = {
+        "forward": forward_peak - base,
+        "backward": backward_peak - base,
+        "logits": logits.numel() * logits.element_size(),
+    }
+    print(json.dumps(result))
 
 
 def _rss_peak() -> int:
@@ -151,25 +157,36 @@ def _rss_peak() -> int:
 def memory(tokens: int, vocab: int) -> None:
     results = {}
     for variant in ("chunked", "plain"):
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--probe",
-                variant,
-                "--tokens",
-                str(tokens),
-                "--vocab",
-                str(vocab),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
-        )
-        results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        # A fixed mmap threshold makes large buffers return to the system when freed, so that
+        # peak RSS follows what is live rather than the C allocator's retained heap.
+        env = dict(os.environ, PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_="1048576")
+        runs = [_probe_once(variant, tokens, vocab, env) for _ in range(3)]
+        results[variant] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
     logits = results["chunked"]["logits"]
+    _print_memory(results, tokens, vocab, logits)
+
+
+def _probe_once(variant: str, tokens: int, vocab: int, env: dict) -> dict:
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--probe",
+            variant,
+            "--tokens",
+            str(tokens),
+            "--vocab",
+            str(vocab),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _print_memory(results: dict, tokens: int, vocab: int, logits: int) -> None:
     print(
         f"log-probs + entropy memory ({tokens} tokens x vocab {vocab}, bf16 logits "
         f"{logits / 2**20:.0f} MiB):"

@@ -40,33 +40,39 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         local_targets = torch.where(in_shard, local_targets, torch.zeros_like(local_targets))
         for start in range(0, n, chunk_tokens):
             end = min(start + chunk_tokens, n)
-            z = logits[start:end, :valid_local].float()
-            if valid_local:
-                zmax = z.max(dim=-1).values
-            else:  # this rank holds only vocabulary padding
-                zmax = torch.full((end - start,), -torch.inf, device=z.device)
-            if group is not None:
-                dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+            z = logits[start:end, :valid_local].float()  # a view when already float32
             if valid_local:
                 target_logit = z.gather(1, local_targets[start:end, None]).squeeze(1)
                 target_logit = torch.where(in_shard[start:end], target_logit, 0.0)
             else:
                 target_logit = torch.zeros(end - start, device=z.device)
-            exp = (z - zmax[:, None]).exp_()
-            parts = [exp.sum(-1), target_logit]
-            if with_entropy:
-                parts.append(torch.linalg.vecdot(exp, z))
-            sums = torch.stack(parts)
-            if group is not None:
-                dist.all_reduce(sums, group=group)
-            lse = zmax + torch.log(sums[0])
-            logprobs[start:end] = sums[1] - lse
+            if group is None and not with_entropy:
+                # One rank holds the whole vocabulary and only log-probs are wanted.
+                lse = torch.logsumexp(z, dim=-1)
+                logprobs[start:end] = target_logit - lse
+            else:
+                zmax = (
+                    z.max(dim=-1).values
+                    if valid_local
+                    else torch.full((end - start,), -torch.inf, device=z.device)
+                )  # a rank may hold only vocabulary padding
+                if group is not None:
+                    dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+                exp = (z - zmax[:, None]).exp_()
+                parts = [exp.sum(-1), target_logit]
+                if with_entropy:
+                    parts.append(torch.linalg.vecdot(exp, z))
+                sums = torch.stack(parts)
+                if group is not None:
+                    dist.all_reduce(sums, group=group)
+                lse = zmax + torch.log(sums[0])
+                logprobs[start:end] = sums[1] - lse
+                if with_entropy:
+                    mean_z = sums[2] / sums[0]
             lse_all[start:end] = lse
             if with_entropy:
-                mean_z = sums[2] / sums[0]
                 mean_z_all[start:end] = mean_z
                 entropy[start:end] = lse - mean_z
-            del z, exp
         ctx.save_for_backward(logits, local_targets, in_shard, lse_all, mean_z_all)
         ctx.valid_local = valid_local
         ctx.chunk_tokens = chunk_tokens
@@ -84,23 +90,26 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         if grad_logprobs is None:
             grad_logprobs = torch.zeros(n, dtype=torch.float32, device=logits.device)
         use_entropy = ctx.with_entropy and grad_entropy is not None
+        in_place = logits.dtype == torch.float32
         for start in range(0, n, ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, n)
-            z = logits[start:end, :valid].to(torch.float32, copy=True)  # modified in place below
-            p = (z - lse_all[start:end, None]).exp_()
+            z = logits[start:end, :valid]
             # d logprob_t / dz = onehot(t) - p;  d H / dz = -p * (z - E_p[z]). Both terms share
-            # the factor -p: grad = -p * (g_lp + g_H * (z - E_p[z])) + onehot(t) * g_lp,
-            # built in place in the two float32 chunk buffers.
+            # the factor -p: grad = -p * (g_lp + g_H * (z - E_p[z])) + onehot(t) * g_lp, built in
+            # the output's float32 rows (or one float32 chunk buffer for lower-precision logits).
+            target = grad_logits[start:end, :valid]
+            p = torch.sub(z, lse_all[start:end, None], out=target if in_place else None).exp_()
+            g_lp = grad_logprobs[start:end, None]
             if use_entropy:
-                factor = z.sub_(mean_z_all[start:end, None]).mul_(grad_entropy[start:end, None])
-                factor.add_(grad_logprobs[start:end, None])
+                factor = z.float() - mean_z_all[start:end, None]
+                factor.mul_(grad_entropy[start:end, None]).add_(g_lp)
+                p.mul_(factor.neg_())
             else:
-                factor = grad_logprobs[start:end, None]
-            grad = p.mul_(factor).neg_()
+                p.mul_(-g_lp)
             rows = torch.nonzero(in_shard[start:end]).squeeze(1)
-            grad[rows, local_targets[start:end][rows]] += grad_logprobs[start:end][rows]
-            grad_logits[start:end, :valid] = grad
-            del z, p, grad, factor
+            p[rows, local_targets[start:end][rows]] += g_lp[rows, 0]
+            if not in_place:
+                target.copy_(p)
         return grad_logits, None, None, None, None, None, None
 
 
