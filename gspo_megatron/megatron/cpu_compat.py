@@ -281,6 +281,14 @@ def _patch_megatron() -> None:
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes(dispatcher.maybe_move_tensor_to_cpu)
 
+    # Expert tensor parallelism gathers and reduce-scatters uneven token counts per rank; gloo
+    # has neither an uneven all_gather nor a list reduce_scatter.
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(
+        mappings._reduce_scatter_along_first_dim
+    )
+
     # Pipeline shape exchange (variable sequence lengths) batches sends and receives in one
     # group; gloo matches messages between two ranks by order, and with two pipeline stages the
     # previous and next stage are the same peer, so the two (3,)-shaped shape messages can swap.
@@ -348,6 +356,40 @@ def _communicate_shapes_in_order(self, tensor_send_next, tensor_send_prev, recv_
         received["prev"].tolist() if "prev" in received else [0, 0, 0],
         received["next"].tolist() if "next" in received else [0, 0, 0],
     )
+
+
+def _uneven_gather(original):
+    """All-gather along dim 0 with per-rank sizes: pad to the largest, gather, cut."""
+
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((longest * len(sizes),) + tuple(input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[r * longest : r * longest + n] for r, n in enumerate(sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(original):
+    """Reduce-scatter along dim 0 with per-rank sizes: all-reduce, keep this rank's rows."""
+
+    @functools.wraps(original)
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].contiguous()
+
+    return reduce_scatter
 
 
 def _host_split_sizes(original):

@@ -25,6 +25,7 @@ LAYOUTS = [
     pytest.param("", 2, id="dp2"),
     pytest.param("tp=2,sp=1,pp=2,ep=2", 4, id="tp2-pp2-ep2"),
     pytest.param("tp=2,sp=1,cp=2", 4, id="tp2-cp2"),
+    pytest.param("tp=2,sp=1,ep=2,etp=2", 4, id="tp2-ep2-etp2"),
 ]
 
 
