@@ -24,6 +24,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def python_command(args: list[str], nproc: int = 1) -> list[str]:
+    """`python ARGS`, or the same under torchrun with `nproc` processes on a free port."""
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}", *args,
+    ]  # fmt: skip
+
+
 def run_worker(
     script: str | Path,
     args: list[str],

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="writer threads (files)")
     args = parser.parse_args(argv)
 
-    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron, report_outcome
     from gspo_megatron.checkpoint.mapping import ConversionError
 
     try:
@@ -48,14 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConversionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(report.summary())
-    if report.verify_max_abs_diff is not None and report.verify_max_abs_diff > args.verify_tol:
-        print(
-            f"error: verification failed: {report.verify_max_abs_diff:.3e} > {args.verify_tol:g}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return report_outcome(report, args.verify_tol)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -412,3 +413,16 @@ def _verify(hf_dir: Path, megatron_dir: Path, cfg: ModelConfig, dtype: torch.dty
     from gspo_megatron.checkpoint.verify import compare_logprobs
 
     return compare_logprobs(hf_dir, megatron_dir, cfg, round_to=dtype)
+
+
+def report_outcome(report: ConversionReport, verify_tol: float) -> int:
+    """Print a conversion's summary; the exit status of the conversion tools (1: verification
+    found a log-prob difference above `verify_tol`)."""
+    print(report.summary())
+    if report.verify_max_abs_diff is not None and report.verify_max_abs_diff > verify_tol:
+        print(
+            f"error: verification failed: {report.verify_max_abs_diff:.3e} > {verify_tol:g}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, free_port
+from launch import REPO, python_command
 
 # A short version of the default run: same model, task, algorithm and engine.
 SMALL = [
@@ -30,17 +30,7 @@ def train(
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     args = ["-m", "gspo_megatron.train", f"hydra.run.dir={run_dir}", *SMALL, *overrides]
-    if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            *args,
-        ]
-    else:
-        cmd = [sys.executable, *args]
+    cmd = python_command(args, nproc)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if check and proc.returncode != 0:
         pytest.fail(f"gspo-train exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-5000:]}")
