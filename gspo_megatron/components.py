@@ -96,12 +96,12 @@ def init_weights(engine, source: str) -> None:
     """Initial weights from a gspo-megatron checkpoint or a Hugging Face directory."""
     from gspo_megatron.checkpoint import load_engine_weights
     from gspo_megatron.checkpoint.loading import read_model_config
-    from gspo_megatron.megatron import checkpointing
+    from gspo_megatron.checkpoint.meta import architecture_difference, is_checkpoint
 
     path = Path(source)
-    if checkpointing.is_checkpoint(path) or (path / "config.json").is_file():
+    if is_checkpoint(path) or (path / "config.json").is_file():
         saved = read_model_config(path).to_dict()
-        difference = checkpointing.architecture_difference(saved, engine.model_config)
+        difference = architecture_difference(saved, engine.model_config)
         if difference:
             raise ConfigError(f"model.init_from={source}: {difference}")
         load_engine_weights(engine, path)

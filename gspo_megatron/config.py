@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo_megatron.config_fields import bounded, check_ranges
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.megatron.layout import ParallelLayout
 from gspo_megatron.megatron.model_config import ModelConfig
@@ -84,22 +85,22 @@ class AlgorithmSection:
     loss: str = "gspo"
     hparams: dict[str, Any] = field(default_factory=dict)
     advantage: str | None = None
-    advantage_eps: float = 1e-6
-    num_minibatches: int = 4
+    advantage_eps: float = bounded(1e-6, ge=0)
+    num_minibatches: int = bounded(4, ge=1)
     old_logprobs: str = "recompute"
     routing_replay: str = "off"
     dynamic_sampling: str = "none"
-    max_refill_rounds: int = 4
+    max_refill_rounds: int = bounded(4, ge=0)
     prefilter_solved_prompts: bool = False
     overlong_filter: bool = False
-    overlong_penalty_length: int = 0
-    overlong_penalty_cache: int = 0
+    overlong_penalty_length: int = bounded(0, ge=0)
+    overlong_penalty_cache: int = bounded(0, ge=0)
     mismatch: str = "none"
     mismatch_level: str = "token"
-    mismatch_cap: float = 2.0
-    mismatch_lower: float = 0.5
-    mismatch_upper: float = 2.0
-    kl_coef: float = 0.0
+    mismatch_cap: float = bounded(2.0, gt=0)
+    mismatch_lower: float = bounded(0.5, ge=0)
+    mismatch_upper: float = bounded(2.0, gt=0)
+    kl_coef: float = bounded(0.0, ge=0)
     kl_estimator: str = "k3"
 
     def loss_hparams(self, max_new_tokens: int) -> dict[str, Any]:
@@ -122,16 +123,16 @@ class RolloutSection:
     """
 
     engine: str = "embedded"
-    prompts_per_step: int = 8
-    group_size: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 4
-    eval_temperature: float = 0.0
-    eval_samples: int = 1
-    eval_prompts: int = 64
-    max_batch_tokens: int = 16384
+    prompts_per_step: int = bounded(8, ge=1)
+    group_size: int = bounded(16, ge=2)
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(-1, ge=1, special=(-1,))
+    max_new_tokens: int = bounded(4, ge=1)
+    eval_temperature: float = bounded(0.0, ge=0)
+    eval_samples: int = bounded(1, ge=1)
+    eval_prompts: int = bounded(64, ge=0)
+    max_batch_tokens: int = bounded(16384, ge=1)
     weight_sync_bucket_mb: int = 512
     sglang: dict[str, Any] = field(default_factory=dict)
 
@@ -144,31 +145,41 @@ class TrainerSection:
     max_sequence_length: prompt + response tokens; longer samples are an error.
     max_tokens_per_microbatch: padded tokens per micro-batch.
     lr ... decay_style: Adam with megatron's distributed optimizer (distributed_optimizer).
-    eval_every / save_every: in RL steps (0 = never; a final checkpoint is always written).
-    keep_last: checkpoints kept. resume: auto (newest complete checkpoint of this run
-    directory) | never | a checkpoint path. allow_different_config: resume a run directory
-    whose saved config differs. nonfinite: skip | raise.
+    eval_every: in RL steps (0 = never). save_every / save_every_minutes: a checkpoint every
+    N RL steps or T minutes, whichever comes first (0 turns either off); one is always written
+    at the end and on SIGTERM/SIGINT. keep_last: intact checkpoints kept (older ones are
+    deleted, newer ones never). resume: auto (the newest checkpoint of this run directory that
+    validates on every rank; a directory whose checkpoints all fail is an error) | never (a
+    fresh start, refused in a directory holding checkpoints) | a checkpoint path.
+    allow_different_config: resume a run directory whose saved config differs.
+    nonfinite: skip | raise, for a non-finite loss or gradient; with skip, the run stops after
+    max_consecutive_skipped_steps skipped optimizer steps in a row.
+    peer_timeout_s: a rank whose heartbeat stops this long is declared gone, and every rank
+    exits with a message instead of waiting in a collective (gspo_megatron/peers.py).
     """
 
-    steps: int = 800
-    max_sequence_length: int = 64
-    max_tokens_per_microbatch: int = 4096
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
+    steps: int = bounded(800, ge=1)
+    max_sequence_length: int = bounded(64, ge=2)
+    max_tokens_per_microbatch: int = bounded(4096, ge=1)
+    lr: float = bounded(3e-4, gt=0)
+    min_lr: float = bounded(0.0, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)
+    adam_eps: float = bounded(1e-8, gt=0)
+    clip_grad: float = bounded(1.0, ge=0)
+    warmup_steps: int = bounded(0, ge=0)
     decay_style: str = "constant"
     distributed_optimizer: bool = True
-    eval_every: int = 10
-    save_every: int = 0
-    keep_last: int = 2
+    eval_every: int = bounded(10, ge=0)
+    save_every: int = bounded(100, ge=0)
+    save_every_minutes: float = bounded(30.0, ge=0)
+    keep_last: int = bounded(2, ge=1)
     resume: str = "auto"
     allow_different_config: bool = False
     nonfinite: str = "skip"
+    max_consecutive_skipped_steps: int = bounded(16, ge=1)
+    peer_timeout_s: float = bounded(60.0, gt=0)
     recompute_activations: bool = False
 
 
@@ -185,7 +196,7 @@ class LoggingSection:
 
 @dataclass
 class RunConfig:
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
@@ -225,6 +236,11 @@ def resolve(
     section = {k: v for k, v in model_raw.items() if k in _MODEL_EXTRA_KEYS}
     cfg = _build(RunConfig, raw, "")
     cfg.model = ModelSection(**section, architecture=architecture)
+    problems = check_ranges(cfg, "")
+    if problems:
+        raise ConfigError(
+            problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
+        )
     try:
         model = cfg.model.model_config()
         layout = cfg.parallel.layout(world_size)
@@ -264,8 +280,6 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"algorithm.advantage={alg.advantage!r}: use group_mean_std, "
             "group_mean or null (the loss's own)"
         )
-    if alg.num_minibatches < 1:
-        raise ConfigError("algorithm.num_minibatches must be >= 1")
     samples = rollout.prompts_per_step * rollout.group_size
     if samples % alg.num_minibatches:
         raise ConfigError(
@@ -277,8 +291,6 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"each minibatch has {samples // alg.num_minibatches} responses, fewer than the "
             f"{layout.dp} data-parallel ranks"
         )
-    if rollout.group_size < 2:
-        raise ConfigError("rollout.group_size must be >= 2 (advantages are relative to a group)")
     if alg.routing_replay != "off" and not model.is_moe:
         raise ConfigError("algorithm.routing_replay needs a Mixture-of-Experts model")
     if (
@@ -290,19 +302,37 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             "algorithm.routing_replay=r3 with SGLang needs "
             "rollout.sglang.return_routed_experts=true"
         )
-    if rollout.max_new_tokens < 1:
-        raise ConfigError("rollout.max_new_tokens must be >= 1")
-    if trainer.steps < 1:
-        raise ConfigError("trainer.steps must be >= 1")
-    if trainer.keep_last < 1:
-        raise ConfigError("trainer.keep_last must be >= 1")
-    if alg.kl_coef < 0:
-        raise ConfigError("algorithm.kl_coef must be >= 0")
+    if trainer.min_lr > trainer.lr:
+        raise ConfigError(
+            f"trainer.min_lr={trainer.min_lr:g} must not exceed trainer.lr={trainer.lr:g}"
+        )
+    if alg.mismatch_lower >= alg.mismatch_upper:
+        raise ConfigError(
+            f"algorithm.mismatch_lower={alg.mismatch_lower:g} must be below "
+            f"algorithm.mismatch_upper={alg.mismatch_upper:g}"
+        )
+    _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
         alg.overlong_penalty_length
     ):
         raise ConfigError(
             "algorithm.overlong_penalty_cache must be in (0, overlong_penalty_length]"
+        )
+
+
+def _check_resume(resume: str) -> None:
+    if resume in ("auto", "never"):
+        return
+    from pathlib import Path
+
+    from gspo_megatron.checkpoint.meta import META_FILE
+
+    path = Path(resume)
+    if not (path / META_FILE).is_file():
+        what = "does not exist" if not path.exists() else f"has no {META_FILE}"
+        raise ConfigError(
+            f"trainer.resume={resume!r} is not auto, never, or a checkpoint directory "
+            f"({path} {what})"
         )
 
 

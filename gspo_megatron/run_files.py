@@ -1,20 +1,40 @@
-"""What a run leaves in its directory: resolved config, metrics.jsonl, TensorBoard events,
-checkpoints (newest k kept), and how a run resumes from them."""
+"""What a run leaves in its directory, and how it comes back from it.
+
+    run_config.json            the resolved configuration (a run directory holds one run)
+    metrics.jsonl              one record per RL step, appended and flushed as each step ends
+    metrics.superseded.jsonl   records moved aside on resume (steps after the resumed one)
+    tensorboard/               the same metrics for TensorBoard
+    checkpoints/step_NNNNNN/   engine checkpoints (gspo_megatron.megatron.checkpointing)
+    checkpoints/superseded/    checkpoints moved aside: damaged ones, or newer than a resume point
+
+Nothing is ever deleted but the oldest intact checkpoints beyond `trainer.keep_last`, and
+leftovers of interrupted saves. Resume is all or nothing and loud: the newest checkpoint that
+every rank validated is loaded; if checkpoints exist and none loads, the run stops with the list
+of them and why.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from gspo_megatron.checkpoint import manifest
+from gspo_megatron.checkpoint.meta import CheckpointError, step_of
 from gspo_megatron.config import ConfigError, RunConfig, to_dict
 
 CONFIG_FILE = "run_config.json"
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_METRICS_FILE = "metrics.superseded.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+SUPERSEDED_DIR = "superseded"
 # Keys that may change when a run is resumed (length, schedule of outputs, resume mode).
 _RESUMABLE_CHANGES = {
     "trainer.steps",
@@ -22,15 +42,37 @@ _RESUMABLE_CHANGES = {
     "trainer.allow_different_config",
     "trainer.eval_every",
     "trainer.save_every",
+    "trainer.save_every_minutes",
     "trainer.keep_last",
     "logging",
 }
 
 
+class RunFileError(RuntimeError):
+    """A run file could not be written (the message names the file and the OS's reason)."""
+
+
+def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the run directory's checkpoints `step_N`, by step number."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    return sorted((step, p) for step, p in found if step is not None)
+
+
 def check_run_directory(run_dir: Path, cfg: RunConfig) -> None:
-    """Refuse a directory holding a run of another config (unless allowed); record ours."""
+    """Refuse a directory holding a run of another config (unless allowed), or checkpoints
+    when the config says not to resume; record our config."""
     run_dir.mkdir(parents=True, exist_ok=True)
     mine = to_dict(cfg)
+    existing = checkpoint_dirs(run_dir)
+    if cfg.trainer.resume == "never" and existing:
+        raise ConfigError(
+            f"trainer.resume=never, but {run_dir / CHECKPOINT_DIR} holds checkpoints "
+            f"({existing[-1][1].name} is the newest): starting over there would mix two runs; "
+            "use a new (or empty) run directory, or trainer.resume=auto to continue"
+        )
     config_file = run_dir / CONFIG_FILE
     if config_file.is_file():
         saved = json.loads(config_file.read_text())
@@ -41,7 +83,7 @@ def check_run_directory(run_dir: Path, cfg: RunConfig) -> None:
                 "use a new output directory, or set trainer.allow_different_config=true"
             )
     if not dist.is_initialized() or dist.get_rank() == 0:
-        config_file.write_text(json.dumps(mine, indent=2, sort_keys=True))
+        _write_atomically(config_file, json.dumps(mine, indent=2, sort_keys=True))
 
 
 def _resumable(key: str) -> bool:
@@ -56,57 +98,137 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 
 class RunCheckpoints:
-    """Checkpoints under <run>/checkpoints/step_NNNNNN, written atomically by the engine."""
+    """Checkpoints under <run>/checkpoints/step_NNNNNN. Every method is collective."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, keep_last: int) -> None:
-        self.dir = Path(run_dir) / "checkpoints"
+    def __init__(self, run_dir: Path, keep_last: int) -> None:
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / CHECKPOINT_DIR
         self.keep_last = keep_last
-        self.cfg = cfg
+        # Checkpoints this process wrote or validated: known intact without reading them again.
+        self._intact: dict[int, Path] = {}
 
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:06d}"
 
+    @property
+    def newest_intact(self) -> Path | None:
+        return self._intact[max(self._intact)] if self._intact else None
+
+    # -- save -------------------------------------------------------------------------------
+
     def save(self, engine, step: int, state: dict[str, Any]) -> Path:
+        """Write step `step`'s checkpoint (unless this process already has it intact), then
+        delete the oldest intact ones beyond keep_last, never one newer than `step`."""
         from gspo_megatron.megatron import checkpointing
 
         target = self.path(step)
-        if target.exists():
+        if self._intact.get(step) == target:
             return target
-        if dist.get_rank() == 0:
+        if _agree(target.exists()):
+            try:
+                checkpointing.validate(engine, target)
+                self._intact[step] = target
+                return target
+            except CheckpointError as err:
+                self._supersede([target], f"failed validation ({err}); replaced by a new save")
+        if _is_rank0():
             self.dir.mkdir(parents=True, exist_ok=True)
             checkpointing.remove_incomplete(self.dir)
+            self._warn_if_low_space()
         dist.barrier()
-        checkpointing.save_engine(engine, target, extra=state)
-        if dist.get_rank() == 0:
-            for old in self.complete()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        try:
+            checkpointing.save_engine(engine, target, extra=state)
+        except CheckpointError as err:
+            intact = self.newest_intact
+            raise CheckpointError(
+                f"checkpoint {target} was not written: {err}. "
+                + (f"The newest intact checkpoint is {intact}." if intact else "")
+            ) from None
+        self._intact[step] = target
+        if _is_rank0():
+            self._rotate(step)
         dist.barrier()
         return target
 
-    def complete(self) -> list[Path]:
-        from gspo_megatron.megatron.checkpointing import is_checkpoint
+    def _rotate(self, newest: int) -> None:
+        older = [(s, p) for s, p in checkpoint_dirs(self.run_dir) if s <= newest]
+        for step, path in older[: -self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+            self._intact.pop(step, None)
 
-        if not self.dir.is_dir():
-            return []
-        return sorted(p for p in self.dir.glob("step_*") if p.is_dir() and is_checkpoint(p))
+    def _warn_if_low_space(self) -> None:
+        newest = self.newest_intact
+        if newest is None:
+            return
+        try:
+            size = sum(int(e["size"]) for e in manifest.read_manifest(newest).values())
+            free = shutil.disk_usage(self.dir).free
+        except (OSError, manifest.ManifestError):
+            return
+        if free < 1.1 * size:
+            note(
+                f"warning: {free / 2**30:.2f} GiB free under {self.dir}, and the last checkpoint "
+                f"took {size / 2**30:.2f} GiB: the next save may fail"
+            )
+
+    # -- resume -----------------------------------------------------------------------------
 
     def resume(self, engine, mode: str) -> dict[str, Any] | None:
-        """Load per trainer.resume (auto | never | path); returns the saved trainer state."""
+        """Load per trainer.resume (auto | never | a checkpoint path); returns the trainer state
+        saved with it, or None for a fresh start. Raises CheckpointError when checkpoints exist
+        and none is usable (listing each with its reason), or when a given path is unusable."""
         from gspo_megatron.megatron import checkpointing
 
         if mode == "never":
             return None
         if mode != "auto":
-            return checkpointing.load_engine(engine, mode)["extra"]
-        for candidate in reversed(self.complete()):
+            meta = checkpointing.load_engine(engine, mode)
+            self._after_resume(int(meta["extra"]["step"]), Path(mode))
+            return meta["extra"]
+        candidates = _broadcast(checkpoint_dirs(self.run_dir))
+        failures: dict[Path, str] = {}
+        for step, path in reversed(candidates):
             try:
-                return checkpointing.load_engine(engine, candidate)["extra"]
-            except Exception as err:  # noqa: BLE001 - any unreadable checkpoint: try an older one
-                _note(
-                    f"checkpoint {candidate} is unusable ({type(err).__name__}: {err}); "
-                    "trying the previous one"
-                )
+                meta = checkpointing.validate(engine, path)
+            except CheckpointError as err:
+                failures[path] = str(err)
+                note(f"checkpoint {path.name} is unusable: {err}")
+                continue
+            checkpointing.load_engine(engine, path, check=False)
+            self._after_resume(step, path, failures)
+            if failures:
+                note(f"resumed from {path.name}, an older checkpoint than the newest")
+            return meta["extra"]
+        if failures:
+            raise CheckpointError(
+                f"{self.dir} holds {len(failures)} checkpoint(s) and none is usable: "
+                + " | ".join(failures.values())
+                + ". Nothing was loaded. Repair or move them away to start over here, or give "
+                "an intact one with trainer.resume=PATH."
+            )
         return None
+
+    def _after_resume(self, step: int, path: Path, failures: dict[Path, str] | None = None) -> None:
+        """The resumed checkpoint is intact; newer ones of this run directory are moved aside:
+        damaged, or from a future this run no longer follows."""
+        self._intact[step] = path
+        failures = failures or {}
+        for s, newer in _broadcast(checkpoint_dirs(self.run_dir)):
+            if s > step:
+                reason = failures.get(newer, f"newer than step {step}, where the run resumed")
+                self._supersede([newer], reason)
+
+    def _supersede(self, paths: list[Path], reason: str) -> None:
+        if _is_rank0():
+            target_dir = self.dir / SUPERSEDED_DIR
+            target_dir.mkdir(parents=True, exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for path in paths:
+                moved = target_dir / f"{path.name}.{stamp}"
+                os.replace(path, moved)
+                (moved / "SUPERSEDED.txt").write_text(reason + "\n")
+                note(f"moved {path.name} to {moved.relative_to(self.run_dir)}: {reason}")
+        dist.barrier()
 
 
 class MetricsLogger:
@@ -115,13 +237,11 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: RunConfig, total_steps: int, enabled: bool) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / METRICS_FILE
-        self.lines_written = 0
         self.bar = None
         self.tb = None
         self.wandb = None
         if not enabled:
             return
-        self.lines_written = _count_lines(self.path)
         if cfg.logging.progress:
             from tqdm import tqdm
 
@@ -146,9 +266,14 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.lines_written += 1
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+        except OSError as err:
+            raise RunFileError(
+                f"{self.path}: could not append the record of step {step} ({err.strerror or err})"
+            ) from err
         if self.tb is not None:
             for key, value in metrics.items():
                 self.tb.add_scalar(key, value, step)
@@ -164,20 +289,31 @@ class MetricsLogger:
                 refresh=True,
             )
 
-    def truncate(self, lines: int) -> None:
-        """Drop records written after the checkpoint being resumed (a killed run's last steps)."""
+    def rewind(self, step: int) -> None:
+        """Keep the records of steps 1..`step`; move later ones (a killed run's last steps, or
+        a future the resumed run no longer follows) and unreadable lines to
+        metrics.superseded.jsonl. Nothing is dropped."""
         if not self.enabled or not self.path.is_file():
             return
-        kept = self.path.read_text().splitlines()[:lines]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.lines_written = len(kept)
+        kept, moved = [], []
+        for line in self.path.read_text().splitlines():
+            try:
+                record_step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                record_step = None
+            ok = isinstance(record_step, int) and record_step <= step
+            (kept if ok else moved).append(line)
+        if moved:
+            side = self.path.with_name(SUPERSEDED_METRICS_FILE)
+            with side.open("a") as f:
+                f.write("".join(line + "\n" for line in moved))
+                f.flush()
+                os.fsync(f.fileno())
+            _write_atomically(self.path, "".join(line + "\n" for line in kept))
+            note(f"moved {len(moved)} metrics record(s) after step {step} to {side.name}")
         if self.bar is not None:
-            self.bar.n = lines
+            self.bar.n = step
             self.bar.refresh()
-
-    def note(self, message: str) -> None:
-        if self.enabled:
-            _note(message)
 
     def summary(self, last: dict[str, float]) -> None:
         if not self.enabled:
@@ -193,7 +329,7 @@ class MetricsLogger:
             "time/step",
         ]
         shown = ", ".join(f"{k}={last[k]:.4g}" for k in keys if k in last)
-        _note(f"finished: {shown}; metrics in {self.path}")
+        note(f"finished: {shown}; metrics in {self.path}")
 
     def close(self) -> None:
         if self.tb is not None:
@@ -204,15 +340,39 @@ class MetricsLogger:
             self.bar.close()
 
 
-def _count_lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.is_file() else 0
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _plain(value: Any) -> Any:
     return float(value) if isinstance(value, int | float) else value
 
 
-def _note(message: str) -> None:
+def _is_rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _agree(flag: bool) -> bool:
+    """Rank 0's view of a file-system fact, shared so every rank takes the same branch."""
+    return bool(_broadcast(flag))
+
+
+def note(message: str) -> None:
+    """A line for the user on rank 0 (above the progress bar), and in every rank's log."""
+    logging.getLogger("gspo_megatron").info(message)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
     from tqdm import tqdm
 
     tqdm.write(f"[gspo-megatron] {message}", file=sys.stderr)

@@ -34,6 +34,8 @@ _LIBRARY_NOISE = (
 def _quiet_libraries() -> None:
     for message in _LIBRARY_NOISE:
         warnings.filterwarnings("ignore", message=f".*{message}")
+    # Every other library warning goes to the run's log file (conf/hydra/job_logging).
+    logging.captureWarnings(True)
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
@@ -46,12 +48,12 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 def run(cfg: DictConfig) -> None:
     _quiet_libraries()
     from gspo_megatron.checkpoint.mapping import ConversionError
-    from gspo_megatron.megatron.checkpointing import CheckpointError
+    from gspo_megatron.checkpoint.meta import CheckpointError
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         raw = OmegaConf.to_container(cfg, resolve=True)
         run_cfg, model, layout = resolve(raw, int(os.environ.get("WORLD_SIZE", "1")))
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
         from gspo_megatron.run_files import check_run_directory
 
         check_run_directory(run_dir, run_cfg)
@@ -61,14 +63,33 @@ def run(cfg: DictConfig) -> None:
     except ConfigError as err:
         sys.exit(f"gspo-train: config error: {err}")
     except (DataError, VocabMismatchError, CheckpointError, ConversionError) as err:
-        sys.exit(f"gspo-train: {err}")
+        _fail(err, run_dir, traceback=False)
+    except Exception as err:  # noqa: BLE001 - one line here, the traceback in the run's log
+        _fail(err, run_dir)
     try:
         trainer.train()
+    except Exception as err:  # noqa: BLE001 - one line here, the traceback in the run's log
+        _fail(err, run_dir)
     finally:
         trainer.close()
         from gspo_megatron.megatron import parallel
 
         parallel.destroy()
+
+
+def _fail(err: BaseException, run_dir: Path, *, traceback: bool = True) -> None:
+    """Print one line (on each failing rank) and exit 1; the traceback goes to the log file."""
+    rank = os.environ.get("RANK", "0")
+    where = f"rank {rank}: " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    log = logging.getLogger("gspo_megatron")
+    if traceback:
+        log.error("run failed", exc_info=err)
+        hint = f" (traceback in {run_dir / f'train.rank{rank}.log'})"
+    else:
+        log.error("run failed: %s", err)
+        hint = ""
+    print(f"gspo-train: {where}error: {err}{hint}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def main() -> None:

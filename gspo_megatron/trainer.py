@@ -29,10 +29,13 @@ from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.config import RunConfig
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
+from gspo_megatron.device import accelerator
 from gspo_megatron.megatron.batch import TrainSample
 from gspo_megatron.megatron.engine import LossSettings, TrainingEngine
+from gspo_megatron.peers import PeerWatchdog
 from gspo_megatron.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, WeightSource
-from gspo_megatron.run_files import MetricsLogger, RunCheckpoints
+from gspo_megatron.run_files import MetricsLogger, RunCheckpoints, note
+from gspo_megatron.run_health import RunHealth
 
 
 @dataclass
@@ -42,6 +45,7 @@ class RolloutBatch:
     prompts: list[Prompt]
     groups: list[list[RolloutSample]]
     rewards: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [groups, G]
+    failed_rewards: int = 0  # reward calls that raised or timed out
     advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [groups, G]
     samples: list[TrainSample] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
@@ -90,17 +94,30 @@ class Trainer:
         )
         self.step = 0
         self.stop_requested = False
-        self.files = RunCheckpoints(run_dir, cfg, keep_last=cfg.trainer.keep_last)
+        self.files = RunCheckpoints(run_dir, keep_last=cfg.trainer.keep_last)
         self.log = MetricsLogger(
             run_dir, cfg, total_steps=cfg.trainer.steps, enabled=self.rank == 0
         )
         self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+        self.health = RunHealth(cfg)
+        self._last_save = time.monotonic()
 
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
         self._install_signal_handlers()
         self.resume()
+        watchdog = PeerWatchdog(self.cfg.trainer.peer_timeout_s)
+        watchdog.start()
+        try:
+            last = self._loop()
+            self.save()
+        finally:
+            watchdog.stop()
+        self.log.summary(last)
+        return last
+
+    def _loop(self) -> dict[str, float]:
         last: dict[str, float] = {}
         while self.step < self.cfg.trainer.steps and not self.stop_requested:
             started = time.perf_counter()
@@ -119,14 +136,18 @@ class Trainer:
             timings["step"] = time.perf_counter() - started
             timings["step_cpu"] = time.process_time() - cpu_started
             last = self.step_metrics(batch, train_metrics, timings)
-            if self._due(self.cfg.trainer.eval_every) or self.step == self.cfg.trainer.steps:
+            every = self.cfg.trainer.eval_every
+            if (every and self.step % every == 0) or self.step == self.cfg.trainer.steps:
                 last.update(self.evaluate())
             self.log.write(self.step, last)
-            if self._due(self.cfg.trainer.save_every):
+            verdict = self.health.check(last)
+            save_now, self.stop_requested = self._agree_on_save_and_stop()
+            if verdict is not None:
+                if verdict.checkpoint_first:
+                    self.save()
+                raise verdict.error
+            if save_now:
                 self.save()
-            self._sync_stop_request()
-        self.save()
-        self.log.summary(last)
         return last
 
     # -- phases ------------------------------------------------------------------------------
@@ -192,6 +213,7 @@ class Trainer:
         payload = _broadcast(payload)
         rewards = torch.tensor(payload[0], dtype=torch.float32).view(len(batch.groups), -1)
         stats = dict(payload[1])
+        batch.failed_rewards = int(stats["reward/failures"] + stats["reward/timeouts"])
         if "reward/time_s" in stats:
             stats["time/score"] = stats.pop("reward/time_s")
         batch.stats.update(stats)
@@ -302,7 +324,7 @@ class Trainer:
         random.Random(_derive_seed(self.cfg.seed, self.step, 101)).shuffle(order)
         count = min(alg.num_minibatches, len(order) // self.engine.layout.dp)
         if count == 0:
-            return {"skipped_steps": float(alg.num_minibatches), "lr": self.engine.current_lr()}
+            return {"optimizer_steps": 0.0, "skipped_steps": 0.0, "lr": self.engine.current_lr()}
         bounds = [round(k * len(order) / count) for k in range(count + 1)]
         per_step: list[dict[str, float]] = []
         for k in range(count):
@@ -323,6 +345,7 @@ class Trainer:
                 merged[f"moe/route_change_fraction_after_{k}_updates"] = m[
                     "moe/route_change_fraction"
                 ]
+        merged["optimizer_steps"] = float(count)
         merged["skipped_steps"] = float(sum(m.get("skipped", 0.0) for m in per_step))
         merged.pop("skipped", None)
         merged.pop("num_microbatches", None)
@@ -377,42 +400,50 @@ class Trainer:
     # -- checkpoints and signals ---------------------------------------------------------------
 
     def save(self) -> None:
-        state = {
-            "step": self.step,
-            "sampler": self.sampler.state_dict(),
-            "metrics_lines": self.log.lines_written,
-        }
+        state = {"step": self.step, "sampler": self.sampler.state_dict()}
         self.files.save(self.engine, self.step, state)
+        self._last_save = time.monotonic()
 
     def resume(self) -> None:
         state = self.files.resume(self.engine, self.cfg.trainer.resume)
         if state is None:
-            # Records of an earlier attempt that left no checkpoint would otherwise repeat steps.
-            self.log.truncate(0)
-            self.log.note("starting from step 0")
+            # Records of an earlier attempt that left no checkpoint are moved aside, not repeated.
+            self.log.rewind(0)
+            note("starting from step 0")
             return
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
-        self.log.truncate(int(state.get("metrics_lines", self.step)))
-        self.log.note(f"resumed at step {self.step}")
+        self.log.rewind(self.step)
+        note(f"resumed at step {self.step}")
         self.rollout.update_weights(self.weight_source, version=self.step)
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
             self.stop_requested = True
-            self.log.note(f"signal {signal.Signals(signum).name}: checkpointing after this step")
+            note(f"signal {signal.Signals(signum).name}: checkpointing after this step")
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
 
-    def _sync_stop_request(self) -> None:
-        # Any rank that got the signal stops all ranks at the same step.
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.stop_requested = bool(flag.item())
+    def _agree_on_save_and_stop(self) -> tuple[bool, bool]:
+        """(save now, stop now), the same on every rank: one all-reduce of each rank's view.
 
-    def _due(self, every: int) -> bool:
-        return every > 0 and self.step % every == 0
+        A signal reaches some ranks before others, and only wall-clock time decides the
+        timed saves, so ranks vote; any rank's yes wins.
+        """
+        t = self.cfg.trainer
+        by_steps = t.save_every > 0 and self.step % t.save_every == 0
+        by_time = (
+            t.save_every_minutes > 0
+            and time.monotonic() - self._last_save >= 60 * t.save_every_minutes
+        )
+        votes = torch.tensor(
+            [float(by_steps or by_time or self.stop_requested), float(self.stop_requested)],
+            device=accelerator(),
+        )
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        save, stop = (bool(v) for v in votes.tolist())
+        return save and not stop, stop
 
     def close(self) -> None:
         self.log.close()
@@ -472,6 +503,7 @@ def _generation_metrics(generated: Sequence[RolloutBatch]) -> dict[str, float]:
     flat = [s for b in generated for s in b.flat()]
     lengths = np.array([len(s.response_ids) for s in flat], dtype=np.float64)
     return {
+        "reward/failed_fraction": sum(b.failed_rewards for b in generated) / max(len(flat), 1),
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
         "reward/accuracy": float((rewards >= 1.0).float().mean()),

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron, report_outcome
     from gspo_megatron.checkpoint.mapping import ConversionError
+    from gspo_megatron.checkpoint.meta import CheckpointError
 
     try:
         report = convert_hf_to_megatron(
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             threads=args.threads,
         )
-    except ConversionError as err:
+    except (ConversionError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return report_outcome(report, args.verify_tol)

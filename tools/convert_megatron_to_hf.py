@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gspo_megatron.checkpoint.convert import convert_megatron_to_hf, report_outcome
     from gspo_megatron.checkpoint.mapping import ConversionError
+    from gspo_megatron.checkpoint.meta import CheckpointError
 
     try:
         report = convert_megatron_to_hf(
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             verify=args.verify,
             max_shard_bytes=int(args.max_shard_size_gb * 1e9),
         )
-    except ConversionError as err:
+    except (ConversionError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return report_outcome(report, args.verify_tol)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gspo_megatron.checkpoint import torch_dist
+from gspo_megatron.checkpoint import manifest, torch_dist
 from gspo_megatron.checkpoint.hf_io import (
     HFCheckpoint,
     ShardedSafetensorsWriter,
@@ -46,11 +46,11 @@ from gspo_megatron.checkpoint.mapping import (
     get_mapping,
 )
 from gspo_megatron.checkpoint.meta import (
-    FORMAT_VERSION,
     META_FILE,
-    is_gspo_checkpoint,
+    is_checkpoint,
     model_config_from_meta,
-    read_gspo_meta,
+    read_meta,
+    write_meta,
 )
 from gspo_megatron.megatron.layout import ParallelLayout
 from gspo_megatron.megatron.model_config import ModelConfig
@@ -250,7 +250,6 @@ def convert_hf_to_megatron(
             (files / "config.json").write_text(json.dumps(raw_config, indent=2))
             copy_tokenizer_files([hf_dir], files)
             meta = {
-                "format_version": FORMAT_VERSION,
                 "model": cfg.to_dict(),
                 # the tensors are stored whole (as a one-process save would), so any layout loads
                 "layout": dataclasses.asdict(ParallelLayout()),
@@ -262,7 +261,10 @@ def convert_hf_to_megatron(
                     "layout_independent": True,
                 },
             }
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+            write_meta(tmp, meta)
+            manifest.write_manifest(
+                tmp, manifest.digest_files(tmp, manifest.unlisted_files(tmp, {}))
+            )
             report.bytes_written = torch_dist.directory_bytes(tmp)
             report.seconds = time.perf_counter() - t0
             if verify:
@@ -329,8 +331,8 @@ def convert_megatron_to_hf(
         base_config: dict[str, Any] | None = None
         if hf_config is not None:
             cfg, base_config = read_hf_config(hf_config)
-        elif is_gspo_checkpoint(src):
-            cfg = model_config_from_meta(read_gspo_meta(src)["model"])
+        elif is_checkpoint(src):
+            cfg = model_config_from_meta(read_meta(src)["model"])
         else:
             raise ConversionError(
                 f"{src}: no {META_FILE}; pass --hf-config with the model's config.json"
@@ -338,6 +340,9 @@ def convert_megatron_to_hf(
         if base_config is None and (src / HF_FILES_DIR / "config.json").is_file():
             base_config = json.loads((src / HF_FILES_DIR / "config.json").read_text())
         mapping = get_mapping(cfg)
+        problems = manifest.verify(src, required=False)
+        if problems:
+            raise ConversionError(f"{src}: damaged checkpoint: " + "; ".join(problems[:6]))
         reader = torch_dist.TorchDistCheckpoint(src)
         check_megatron_checkpoint(reader, mapping)
         stored = reader.tensor(mapping.entries[0].key).properties.dtype

@@ -23,7 +23,12 @@ from gspo_megatron.checkpoint.hf_io import (
     validate_hf_tensors,
 )
 from gspo_megatron.checkpoint.mapping import ConversionError, ModelMapping, get_mapping
-from gspo_megatron.checkpoint.meta import model_config_from_meta
+from gspo_megatron.checkpoint.meta import (
+    META_FILE,
+    is_checkpoint,
+    model_config_from_meta,
+    read_meta,
+)
 from gspo_megatron.megatron import checkpointing
 from gspo_megatron.megatron.model_config import ModelConfig
 
@@ -42,11 +47,11 @@ def read_model_config(path: str | Path, **overrides: Any) -> ModelConfig:
     path = Path(path)
     if is_hf_dir(path):
         return read_hf_config(path, **overrides)[0]
-    if checkpointing.is_checkpoint(path):
-        return model_config_from_meta(checkpointing.read_meta(path)["model"], **overrides)
+    if is_checkpoint(path):
+        return model_config_from_meta(read_meta(path)["model"], **overrides)
     if is_megatron_dir(path):
         raise ConversionError(
-            f"{path}: megatron checkpoint without {checkpointing.META_FILE}; give the model's "
+            f"{path}: megatron checkpoint without {META_FILE}; give the model's "
             "HF config.json (--hf-config) to describe its architecture"
         )
     raise ConversionError(

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gspo_megatron.checkpoint.mapping import ConversionError
+from gspo_megatron.checkpoint.meta import CheckpointError
 
 
 def read_sequences(path: str | Path, vocab_size: int | None = None) -> list[list[int]]:
@@ -172,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             hf_config=args.hf_config,
         )
         results = score(engine, sequences, args.batch_size)
-    except (ConversionError, LayoutError, FileNotFoundError) as err:
+    except (ConversionError, CheckpointError, LayoutError, FileNotFoundError) as err:
         print(f"gspo-logprobs: error: {err}", file=sys.stderr)
         return 2
     import torch.distributed as dist

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from gspo_megatron.config_fields import bounded
 from gspo_megatron.data.dataset import PromptDataset, load_prompt_dataset
 from gspo_megatron.data.synthetic import synthetic_prompt_dataset
 from gspo_megatron.rewards.synthetic import SYNTHETIC_TASKS
@@ -41,14 +42,14 @@ class DataConfig:
     label_key: str | None = "label"
     apply_chat_template: bool | None = None
     system_prompt: str | None = None
-    max_prompt_length: int = 512
+    max_prompt_length: int = bounded(512, ge=1)
     on_error: str = "skip"
     task: str | None = None
     task_kwargs: dict[str, Any] = field(default_factory=dict)
-    num_train: int = 10_000
-    num_eval: int = 256
-    heldout_fraction: float = 0.1
-    seed: int = 0
+    num_train: int = bounded(10_000, ge=1)
+    num_eval: int = bounded(256, ge=0)
+    heldout_fraction: float = bounded(0.1, gt=0, lt=1)
+    seed: int = bounded(0, ge=0)
     shuffle: bool = True
 
     def validate(self) -> None:

@@ -1,18 +1,28 @@
-"""Engine checkpoints with megatron dist_checkpointing: save on one layout, load on another.
+"""Engine checkpoints with megatron dist_checkpointing: save on one layout, load on another,
+all or nothing.
 
-A checkpoint directory holds one torch_dist checkpoint (model, and optionally optimizer and LR
-scheduler), `gspo_checkpoint.json` (architecture, layout, step) and per-rank RNG states. It is
-written under a temporary name and renamed when every rank has finished, so a directory with the
-final name is always complete.
+A checkpoint directory holds one torch_dist checkpoint (model and, for training checkpoints,
+optimizer), per-rank RNG states (`rng/rank_NNNNN.pt`, tensors and plain values only, loaded with
+`weights_only=True`), `gspo_checkpoint.json` (gspo_megatron.checkpoint.meta) and
+`manifest.json` (size and SHA-256 of every other file, gspo_megatron.checkpoint.manifest). It is
+written under a temporary name; the manifest is the last file, then the directory is renamed, so
+a directory with the final name is complete unless its files were damaged since.
+
+Loading validates first (`validate`: metadata, architecture, layout, manifest sizes and
+checksums, split over the ranks), and every rank agrees on the verdict before any state is
+applied; then model, optimizer, the optimizer step count (which the LR schedule is a function of:
+the scheduler is set, never added to) and RNG load together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import errno
 import os
+import queue
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,37 +30,40 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from gspo_megatron.checkpoint import manifest
+from gspo_megatron.checkpoint.meta import (
+    META_FILE,
+    RESUMABLE_FORMATS,
+    CheckpointError,
+    architecture_difference,
+    is_checkpoint,
+    read_meta,
+    write_meta,
+)
 from gspo_megatron.megatron.model_config import ModelConfig
 
-META_FILE = "gspo_checkpoint.json"
+__all__ = [
+    "META_FILE",
+    "CheckpointError",
+    "is_checkpoint",
+    "load_engine",
+    "load_model_weights",
+    "read_meta",
+    "save_engine",
+    "validate",
+]
+
 # megatron 0.19.2's default distributed-optimizer format ("fully_sharded_model_space") builds
 # flattened_range shards that its own validator rejects; this one reshards across layouts.
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-FORMAT_VERSION = 1
-
-
-class CheckpointError(RuntimeError):
-    pass
+RNG_DIR = "rng"
+_MAX_LISTED_PROBLEMS = 6
 
 
 def model_sharded_state_dict(chunks) -> dict:
     """Sharded state dicts of all model chunks; the sharded keys carry global layer numbers,
     so a checkpoint loads whatever the pipeline split."""
     return {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-
-
-def is_checkpoint(path: str | Path) -> bool:
-    return (Path(path) / META_FILE).is_file()
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    meta_file = Path(path) / META_FILE
-    if not meta_file.is_file():
-        raise CheckpointError(f"{meta_file}: not a gspo-megatron checkpoint (no {META_FILE})")
-    try:
-        return json.loads(meta_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{meta_file}: unreadable checkpoint metadata ({err})") from err
 
 
 def check_architecture(path: str | Path, model: ModelConfig) -> None:
@@ -60,91 +73,251 @@ def check_architecture(path: str | Path, model: ModelConfig) -> None:
         raise CheckpointError(f"{path}: {difference}")
 
 
-def architecture_difference(saved: dict[str, Any], model: ModelConfig) -> str | None:
-    """The first shape-defining field where a saved config differs from `model`, as a message."""
-    mine = model.to_dict()
-    for key in (
-        "model_type",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "vocab_size",
-        "num_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "intermediate_size",
-        "tie_word_embeddings",
-    ):
-        if key in saved and saved[key] != mine[key] and (key != "num_experts" or model.is_moe):
-            return (
-                f"checkpoint has model.{key}={saved[key]!r} but the configured model has "
-                f"{mine[key]!r}; pick the matching model preset or checkpoint"
-            )
-    return None
+# -- save ------------------------------------------------------------------------------------
 
 
 def save_engine(
     engine, path: str | Path, *, extra: dict[str, Any] | None = None, with_optimizer: bool = True
 ) -> Path:
-    """Save model (+ optimizer, scheduler) and RNG state. Collective: call on every rank."""
+    """Save model (+ optimizer) and RNG state, then the metadata and the manifest. Collective.
+
+    A failure on any rank raises CheckpointError on every rank, naming the file and the reason
+    (for storage errors, the OS's, e.g. "No space left on device"); the partial directory is
+    removed.
+    """
     final = Path(path)
     if final.exists():
         raise CheckpointError(f"{final}: checkpoint directory already exists")
-    tmp_name = _broadcast_str(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp = final.parent / tmp_name
-    if dist.get_rank() == 0:
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    _use_forked_results_queue()
-    state = {"model": model_sharded_state_dict(engine.unwrapped_chunks)}
-    if with_optimizer:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(
-            state["model"], metadata=_OPTIMIZER_METADATA
+    rank = dist.get_rank()
+    tmp = final.parent / _broadcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        _on_rank0("create the directory", lambda: tmp.mkdir(parents=True), tmp)
+        _use_thread_results_queue()
+        state = {"model": model_sharded_state_dict(engine.unwrapped_chunks)}
+        if with_optimizer:
+            state["optimizer"] = engine.optimizer.sharded_state_dict(
+                state["model"], metadata=_OPTIMIZER_METADATA
+            )
+        _on_every_rank(
+            "write the model and optimizer",
+            lambda: dist_checkpointing.save(state, str(tmp), async_sharded_save=False),
+            tmp,
         )
-        state["scheduler"] = engine.scheduler.state_dict()
-        state["steps_done"] = engine.steps_done
-    dist_checkpointing.save(state, str(tmp), async_sharded_save=False)
-    rng_dir = tmp / "rng"
-    if dist.get_rank() == 0:
-        rng_dir.mkdir(exist_ok=True)
-    dist.barrier()
-    torch.save(_rng_state(), rng_dir / f"rank_{dist.get_rank():05d}.pt")
-    if dist.get_rank() == 0:
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "model": engine.model_config.to_dict(),
-            "layout": dataclasses.asdict(engine.layout),
-            "steps_done": engine.steps_done,
-            "with_optimizer": with_optimizer,
-            "extra": extra or {},
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        os.replace(tmp, final)
-    dist.barrier()
+        rng_name = f"{RNG_DIR}/rank_{rank:05d}.pt"
+
+        def write_rng_and_meta() -> None:
+            (tmp / RNG_DIR).mkdir(exist_ok=True)
+            _save_durably(_rng_state(), tmp / rng_name)
+            if rank == 0:
+                write_meta(
+                    tmp,
+                    {
+                        "model": engine.model_config.to_dict(),
+                        "layout": dataclasses.asdict(engine.layout),
+                        "world_size": dist.get_world_size(),
+                        "steps_done": engine.steps_done,
+                        "with_optimizer": with_optimizer,
+                        "extra": extra or {},
+                    },
+                )
+
+        _on_every_rank("write the RNG state and metadata", write_rng_and_meta, tmp)
+        digests = _on_every_rank(
+            "checksum the files", lambda: manifest.digest_files(tmp, _written_by(rank, tmp)), tmp
+        )
+
+        def write_manifest() -> None:
+            entries = {name: d for part in digests for name, d in part.items()}
+            entries.update(manifest.digest_files(tmp, manifest.unlisted_files(tmp, entries)))
+            manifest.write_manifest(tmp, entries)
+
+        _on_rank0("write the manifest", write_manifest, tmp)
+        _on_rank0("rename the checkpoint into place", lambda: _publish(tmp, final), tmp)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
 
 
-def load_engine(
-    engine, path: str | Path, *, with_optimizer: bool = True, restore_rng: bool = True
+def _written_by(rank: int, root: Path) -> list[str]:
+    """The files this rank wrote (still in its page cache): its DCP data files and RNG state;
+    rank 0 also the shared ones (.metadata, common state, metadata files)."""
+    own_prefixes = (f"__{rank}_", f"{RNG_DIR}/rank_{rank:05d}.pt")
+    shared = rank == 0
+    names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
+    return [
+        n
+        for n in names
+        if n.startswith(own_prefixes) or (shared and not n.startswith(("__", f"{RNG_DIR}/")))
+    ]
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    os.replace(tmp, final)
+    manifest.fsync_dir(final.parent)
+
+
+def _save_durably(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _on_every_rank(what: str, fn: Callable[[], Any], where: Path | None = None) -> list[Any]:
+    """Run `fn` on every rank; if it fails anywhere, raise the same CheckpointError everywhere
+    (no rank is left waiting in a collective). Returns every rank's result."""
+    result, problem = None, None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - reported on every rank below
+        problem = _describe_failure(err, where)
+    outcomes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (result, problem))
+    problems = [f"rank {r}: {p}" for r, (_, p) in enumerate(outcomes) if p]
+    if problems:
+        raise CheckpointError(f"could not {what}: " + _join(problems))
+    return [r for r, _ in outcomes]
+
+
+def _on_rank0(what: str, fn: Callable[[], Any], where: Path) -> None:
+    problem = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            problem = _describe_failure(err, where)
+    problem = _broadcast(problem)
+    if problem:
+        raise CheckpointError(f"could not {what}: rank 0: {problem}")
+
+
+def _describe_failure(err: BaseException, where: Path | None) -> str:
+    """One line: the OS error behind `err` (file and strerror) when there is one.
+
+    megatron's writer threads wrap storage errors in generic ones ("Worker failure"); when no
+    OSError is in the chain but the disk is (nearly) full, that is the reason.
+    """
+    seen: set[int] = set()
+    node: BaseException | None = err
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        if isinstance(node, OSError) and node.errno:
+            name = f"{node.filename}: " if node.filename else ""
+            return f"{name}{os.strerror(node.errno)} [errno {node.errno}]"
+        node = node.__cause__ or node.__context__
+    if where is not None:
+        try:
+            free = shutil.disk_usage(where if where.exists() else where.parent).free
+        except OSError:
+            free = None
+        if free is not None and free < 64 << 20:
+            return f"{os.strerror(errno.ENOSPC)} ({free} bytes free under {where.parent}) ({err})"
+    return f"{type(err).__name__}: {err}"
+
+
+def _use_thread_results_queue() -> None:
+    # megatron's torch_dist writer threads report through a queue that megatron creates as a
+    # `spawn` multiprocessing Manager (~10 s, a server process that outlives a killed trainer).
+    # Synchronous saves write from threads of this process, so a plain thread-safe queue serves.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
+
+
+# -- validate and load -------------------------------------------------------------------------
+
+
+def validate(
+    engine, path: str | Path, *, with_optimizer: bool = True, require_manifest: bool = True
 ) -> dict[str, Any]:
-    """Load a checkpoint saved on any layout into `engine`; returns the metadata."""
+    """Check a checkpoint completely before anything is loaded from it. Collective.
+
+    Metadata, format, architecture and layout; the manifest: every file present with its size
+    (rank 0) and its SHA-256 (the files split over all ranks). Raises the same CheckpointError
+    on every rank, listing the problems, or returns the metadata.
+    """
     path = Path(path)
-    meta = read_meta(path)
-    check_architecture(path, engine.model_config)
-    if with_optimizer and not meta.get("with_optimizer", False):
-        raise CheckpointError(f"{path}: holds model weights only; load it with model.init_from")
+    problems: list[str] = []
+    meta: dict[str, Any] = {}
+    try:
+        meta = read_meta(path)
+        problems += _compatibility_problems(path, meta, engine, with_optimizer)
+    except CheckpointError as err:
+        problems.append(str(err))
+    if not problems:
+        problems += _file_problems(path, require_manifest)
+    _raise_if_any(path, problems)
+    return meta
+
+
+def _file_problems(path: Path, require_manifest: bool) -> list[str]:
+    """This rank's share of the manifest checks (sizes on rank 0, checksums split by rank)."""
+    if not dist.is_initialized():
+        return manifest.verify(path, required=require_manifest)
+    return manifest.verify(
+        path, required=require_manifest, rank=dist.get_rank(), world=dist.get_world_size()
+    )
+
+
+def _raise_if_any(path: Path, problems: list[str]) -> None:
+    """Raise the same CheckpointError on every rank if any rank found a problem."""
+    if dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problems)
+        problems = list(dict.fromkeys(p for part in gathered for p in part))
+    if problems:
+        raise CheckpointError(f"{path}: " + _join(problems))
+
+
+def _compatibility_problems(path: Path, meta: dict, engine, with_optimizer: bool) -> list[str]:
+    problems = []
+    difference = architecture_difference(meta["model"], engine.model_config)
+    if difference:
+        problems.append(difference)
+    if not with_optimizer:
+        return problems
+    version = meta.get("format_version")
+    if version not in RESUMABLE_FORMATS:
+        problems.append(
+            f"checkpoint format {version} cannot be resumed (this version resumes formats "
+            f"{list(RESUMABLE_FORMATS)}); start from its weights with model.init_from={path}"
+        )
+    if not meta.get("with_optimizer", False):
+        problems.append(f"holds model weights only; load it with model.init_from={path}")
     saved_ep = meta.get("layout", {}).get("ep", 1)
-    if with_optimizer and saved_ep != engine.layout.ep:
+    if saved_ep != engine.layout.ep:
         # megatron's optimizer state does not reshard between expert-parallel sizes.
-        raise CheckpointError(
-            f"{path}: optimizer state saved with parallel.ep={saved_ep} cannot be resumed with "
+        problems.append(
+            f"optimizer state saved with parallel.ep={saved_ep} cannot be resumed with "
             f"parallel.ep={engine.layout.ep}; use the same ep, or start from the weights only "
             "(model.init_from)"
         )
+    return problems
+
+
+def load_engine(
+    engine,
+    path: str | Path,
+    *,
+    with_optimizer: bool = True,
+    restore_rng: bool = True,
+    check: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint saved on any layout into `engine`; returns the metadata. Collective.
+
+    With `check` (default) the checkpoint is validated first (`validate`), so either all of it
+    loads or none of it does. The optimizer step count, which the LR schedule is a function of,
+    is set (never added to); the schedule's shape comes from the engine's own settings.
+    """
+    path = Path(path)
+    meta = (
+        validate(engine, path, with_optimizer=with_optimizer, require_manifest=with_optimizer)
+        if check
+        else read_meta(path)
+    )
     model_sd = model_sharded_state_dict(engine.unwrapped_chunks)
     state = {"model": model_sd}
     if with_optimizer:
@@ -158,17 +331,27 @@ def load_engine(
     if with_optimizer:
         engine.optimizer.load_state_dict(loaded["optimizer"])
         _untie_adam_step(engine.optimizer)
-        common = dist_checkpointing.load_common_state_dict(str(path))
-        engine.scheduler.load_state_dict(common["scheduler"])
-        engine.steps_done = int(common["steps_done"])
+        set_optimizer_steps(engine, int(meta["steps_done"]))
     else:
         # Keep the optimizer's master copies in step with the loaded weights.
         engine.optimizer.reload_model_params()
     if restore_rng:
-        rng_file = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
-        if rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, weights_only=False))
+        rng_file = path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
+        if meta.get("world_size") == dist.get_world_size() and rng_file.is_file():
+            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
     return meta
+
+
+def set_optimizer_steps(engine, steps: int) -> None:
+    """Put the engine at optimizer step `steps`: the LR is the schedule's value there.
+
+    megatron's `OptimizerParamScheduler.load_state_dict` adds the saved count to the current
+    one and keeps the saved decay length; setting the count and recomputing from the engine's
+    own settings gives the LR a run configured this way from the start has at that step.
+    """
+    engine.steps_done = steps
+    engine.scheduler.num_steps = steps
+    engine.scheduler.step(increment=0)
 
 
 def _read(state: dict, path: Path) -> dict:
@@ -186,6 +369,64 @@ def _read(state: dict, path: Path) -> dict:
         raise CheckpointError(
             f"{path}: unreadable checkpoint ({type(first).__name__}: {first})"
         ) from None
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every generator's state as tensors and plain values (loadable with weights_only=True)."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "tracker": {k: v.cpu() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(dict(state["tracker"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _join(problems: list[str]) -> str:
+    shown = "; ".join(problems[:_MAX_LISTED_PROBLEMS])
+    more = len(problems) - _MAX_LISTED_PROBLEMS
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def remove_incomplete(parent: str | Path) -> list[Path]:
+    """Delete leftovers of interrupted saves (`*.tmp-*` directories) under `parent`."""
+    removed = []
+    for child in Path(parent).glob("*.tmp-*"):
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
 
 
 def load_reference_weights(chunks, path: str | Path) -> list[dict[str, torch.Tensor]]:
@@ -244,66 +485,6 @@ def _untie_adam_step(optimizer) -> None:
 
 def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _use_forked_results_queue() -> None:
-    # The torch_dist writer collects results through a multiprocessing Manager it starts with
-    # `spawn`: ~10 s per process, and the child re-imports the caller's __main__. A manager
-    # started with `fork` is ready at once and runs no user code.
-    import multiprocessing
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        manager = multiprocessing.get_context("fork").Manager()
-        filesystem_async._results_queue = manager.Queue()
-
-
-def _broadcast_str(value: str) -> str:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def remove_incomplete(parent: str | Path) -> list[Path]:
-    """Delete leftovers of interrupted saves (`*.tmp-*` directories) under `parent`."""
-    removed = []
-    for child in Path(parent).glob("*.tmp-*"):
-        if child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
-            removed.append(child)
-    return removed
 
 
 # -- model weights for either layer spec (added for gspo_megatron.checkpoint) ------------------
@@ -376,6 +557,8 @@ def load_model_weights(chunks, path: str | Path, model_config: ModelConfig | Non
     meta = read_meta(path) if is_checkpoint(path) else {}
     if meta and model_config is not None:
         check_architecture(path, model_config)
+    # Converted and training checkpoints carry a manifest; a plain megatron one may not.
+    _raise_if_any(path, _file_problems(path, require_manifest=False))
     sharded, _ = drop_missing_extra_state(
         model_sharded_state_dict(chunks), checkpoint_entry_names(path), path
     )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo_megatron.config_fields import bounded
 from gspo_megatron.rewards.base import RewardFn
 from gspo_megatron.rewards.basic import ExactMatchReward, FormatReward
 from gspo_megatron.rewards.math_reward import MathVerifyReward
@@ -51,9 +52,10 @@ def _import_attr(spec: str) -> Any:
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's module, named
         raise ValueError(
-            f"reward.name={spec!r}: cannot import module {module_name!r}: {exc}"
+            f"reward.name={spec!r}: cannot import module {module_name!r} "
+            f"({type(exc).__name__}: {exc})"
         ) from exc
     try:
         return getattr(module, attr)
@@ -93,13 +95,18 @@ class RewardConfig:
     timeout_s: limit for one reward call; a call past it gives 0 and counts as a timeout.
     max_concurrency: calls in flight at once (= worker processes for the process executor).
     executor: auto | inline | thread | process (see gspo_megatron.rewards.scorer).
+    max_failure_fraction / max_failing_steps: the run stops (after a checkpoint) when more than
+    this fraction of reward calls failed or timed out in each of that many consecutive steps;
+    max_failure_fraction=1 never stops.
     """
 
     name: str = "synthetic"
     kwargs: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 10.0
-    max_concurrency: int = 4
+    timeout_s: float = bounded(10.0, gt=0)
+    max_concurrency: int = bounded(4, ge=1)
     executor: str = "auto"
+    max_failure_fraction: float = bounded(0.5, ge=0, le=1)
+    max_failing_steps: int = bounded(10, ge=1)
 
     def validate(self) -> None:
         if not self.timeout_s > 0:
@@ -113,6 +120,8 @@ class RewardConfig:
                 f"unknown reward.name={self.name!r}; choose one of {sorted(REWARDS)} or give "
                 "'package.module:function'"
             )
+        if ":" in self.name:
+            _import_attr(self.name)  # a user function that cannot be imported fails here
 
 
 def build_scorer(cfg: RewardConfig) -> RewardScorer:

@@ -21,7 +21,7 @@ from gspo_megatron.checkpoint.convert import (
 )
 from gspo_megatron.checkpoint.hf_io import INDEX_FILE, HFCheckpoint
 from gspo_megatron.checkpoint.mapping import ConversionError
-from gspo_megatron.megatron.checkpointing import read_meta
+from gspo_megatron.checkpoint.meta import read_meta
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,16 +74,12 @@ def test_round_trip_is_bitwise(models, tmp_path, kind):
 
 
 def test_megatron_checkpoint_contents(models):
-    from gspo_megatron.checkpoint import meta
-    from gspo_megatron.megatron import checkpointing
+    from gspo_megatron.checkpoint import manifest
 
-    # the converter writes the engine's metadata file without importing megatron-core
-    assert (meta.META_FILE, meta.FORMAT_VERSION) == (
-        checkpointing.META_FILE,
-        checkpointing.FORMAT_VERSION,
-    )
     mc = models["mc_moe"]
     meta = read_meta(mc)
+    # a converted checkpoint carries a manifest of every file, checked when it is loaded
+    assert manifest.verify(mc) == []
     assert meta["model"]["model_type"] == "qwen3_moe" and meta["with_optimizer"] is False
     assert json.loads((mc / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     assert (mc / HF_FILES_DIR / "config.json").is_file()
@@ -249,6 +245,9 @@ def test_megatron_side_bad_input(models, tmp_path):
     shutil.copytree(models["mc_moe"], broken)
     data = sorted(broken.glob("*.distcp"))[0]
     os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(ConversionError, match=re.escape(data.name) + ": truncated"):
+        convert_megatron_to_hf(broken, tmp_path / "out")
+    (broken / "manifest.json").unlink()  # a checkpoint from elsewhere: the reader still checks
     with pytest.raises(ConversionError, match=re.escape(data.name) + ".*truncated"):
         convert_megatron_to_hf(broken, tmp_path / "out")
     data.unlink()

@@ -108,7 +108,11 @@ def test_default_run_learns(tmp_path):
     assert "eval/pass@1" in records[124] and "eval/avg@1" in records[-1]
     assert (tmp_path / "run_config.json").is_file()
     assert (tmp_path / "tensorboard").is_dir()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000250"]
+    # periodic checkpoints (trainer.save_every=100) and the final one; keep_last=2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_000200",
+        "step_000250",
+    ]
 
 
 def test_resume_after_kill_is_exact(tmp_path):

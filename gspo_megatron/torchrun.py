@@ -1,0 +1,76 @@
+"""torchrun for gspo-train, where SIGTERM and SIGINT mean "checkpoint and stop", exit 0.
+
+    python -m gspo_megatron.torchrun --nproc-per-node 2 -m gspo_megatron.train parallel=ep2 ...
+
+Takes torchrun's arguments unchanged. Plain torchrun answers SIGTERM (or Ctrl-C) by signalling
+its workers, killing them 30 s later, and exiting 1 with a traceback, even when every worker
+checkpointed in time and exited 0; its workers run in their own sessions, so a terminal's Ctrl-C
+reaches torchrun alone. Here the first SIGTERM/SIGINT is passed to every worker, torchrun keeps
+waiting for them without a deadline (a large model's checkpoint can take minutes), and the exit
+status is theirs: 0 after a checkpoint. A second signal kills the workers at once.
+
+On Slurm, slurm/*.sbatch use `python -m gspo_megatron.slurm torchrun`, where slurmstepd signals
+every process of the step itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+# torchrun installs its own handlers only for these; SIGTERM and SIGINT stay ours.
+_TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+
+
+def forward_stop_signals() -> None:
+    """Install handlers that pass the first SIGTERM/SIGINT to every descendant process and
+    SIGKILL them on the second."""
+    import psutil
+
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        second = len(received) > 1
+        name = signal.Signals(signum).name
+        if second:
+            print(f"gspo-torchrun: second {name}: killing the workers", file=sys.stderr)
+        else:
+            print(
+                f"gspo-torchrun: {name}: the workers checkpoint after their current step "
+                "(send it again to kill them now)",
+                file=sys.stderr,
+            )
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.send_signal(signal.SIGKILL if second else signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    os.environ["PET_SIGNALS_TO_HANDLE"] = _TORCHRUN_SIGNALS
+    forward_stop_signals()
+    try:
+        torchrun_main(list(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as err:
+        failures = err.failures
+        codes = sorted({f.exitcode for f in failures.values()})
+        print(
+            f"gspo-torchrun: {len(failures)} worker(s) failed (exit codes {codes}); "
+            "see their messages above",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
