@@ -9,6 +9,8 @@ import io
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +220,13 @@ def test_unreadable_metadata_is_a_conversion_error(saved, tmp_path):
     (ckpt / METADATA_FILE).unlink()
     with pytest.raises(ConversionError, match="not a torch_dist checkpoint"):
         TorchDistCheckpoint(ckpt)
+
+
+def test_module_does_not_import_megatron():
+    """The checks run in tools and tests that never start megatron-core (seconds to import)."""
+    code = (
+        "import sys, gspo_megatron.checkpoint.safe_load, gspo_megatron.checkpoint.torch_dist; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'transformer_engine'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
