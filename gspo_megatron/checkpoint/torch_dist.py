@@ -14,7 +14,9 @@ is in memory at a time whatever the model size.
 
 Reading: `TorchDistCheckpoint.read` builds DCP read items for the requested regions (chunks
 indexed by their stacked layer/expert offsets, so a lookup does not scan every chunk of a key)
-and lets FileSystemReader fill them. No process group is needed either way.
+and lets a FileSystemReader fill them: `safe_load.SafeFileSystemReader`, whose `.metadata` read
+runs no code from the file (DCP's own is `pickle.load`); objects are never read. No process
+group is needed either way.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
@@ -52,6 +54,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from gspo_megatron.checkpoint.mapping import ConversionError, Shape
+from gspo_megatron.checkpoint.safe_load import SafeFileSystemReader
 
 # What megatron's dist_checkpointing.save writes next to the DCP files.
 MEGATRON_CONFIG_FILE = "metadata.json"
@@ -218,17 +221,10 @@ class TorchDistCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        meta_file = self.path / ".metadata"
-        if not meta_file.is_file():
-            raise ConversionError(
-                f"{self.path}: not a torch_dist checkpoint (no .metadata file); a megatron "
-                "checkpoint directory holds .metadata, metadata.json and __*_*.distcp files"
-            )
-        self._reader = FileSystemReader(self.path)
-        try:
-            self.metadata = self._reader.read_metadata()
-        except Exception as err:  # noqa: BLE001 - any unpickling failure means a bad file
-            raise ConversionError(f"{meta_file}: unreadable checkpoint metadata ({err})") from err
+        # Raises ConversionError for a missing or unreadable file, UnsafeCheckpointError
+        # (a ConversionError) for metadata that names code to run.
+        self._reader = SafeFileSystemReader(self.path)
+        self.metadata = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         self._chunk_index: dict[str, tuple[int, dict[Shape, list[ChunkStorageMetadata]]]] = {}
 
