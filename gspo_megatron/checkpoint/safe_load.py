@@ -354,14 +354,3 @@ def verify_checkpoint_safe(path: str | Path) -> Metadata:
         with open(legacy, "rb") as stream:
             load_weights_only(stream, str(legacy))
     return metadata
-
-
-def load_rng_state(file: str | Path) -> dict[str, Any]:
-    """A per-rank RNG state file (python, numpy, torch and megatron-tracker states) read with
-    weights_only=True; numpy's generator state is the one non-tensor class it needs."""
-    import numpy as np
-
-    reconstruct = np.zeros(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct (numpy 2)
-    numpy_state = [np.ndarray, np.dtype, reconstruct, type(np.dtype(np.uint32))]
-    with torch.serialization.safe_globals(numpy_state), open(file, "rb") as stream:
-        return load_weights_only(stream, str(file))

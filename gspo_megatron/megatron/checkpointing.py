@@ -40,6 +40,12 @@ from gspo_megatron.checkpoint.meta import (
     read_meta,
     write_meta,
 )
+from gspo_megatron.checkpoint.safe_load import (
+    UnsafeCheckpointError,
+    load_weights_only,
+    read_dcp_metadata,
+    verify_checkpoint_safe,
+)
 from gspo_megatron.megatron.model_config import ModelConfig
 
 __all__ = [
@@ -250,6 +256,7 @@ def validate(
     if not problems:
         problems += _file_problems(path, require_manifest)
     _raise_if_any(path, problems)
+    _refuse_if_unsafe(path)
     return meta
 
 
@@ -260,6 +267,23 @@ def _file_problems(path: Path, require_manifest: bool) -> list[str]:
     return manifest.verify(
         path, required=require_manifest, rank=dist.get_rank(), world=dist.get_world_size()
     )
+
+
+def _refuse_if_unsafe(path: Path) -> None:
+    """Raise UnsafeCheckpointError on every rank if any rank found something in the checkpoint
+    that would run code when deserialised (gspo_megatron.checkpoint.safe_load). Not a damaged
+    checkpoint to fall back from: someone put code in it."""
+    problem = None
+    try:
+        verify_checkpoint_safe(path)
+    except UnsafeCheckpointError as err:
+        problem = str(err)
+    if dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, problem)
+        problem = next((p for p in gathered if p), None)
+    if problem:
+        raise UnsafeCheckpointError(problem)
 
 
 def _raise_if_any(path: Path, problems: list[str]) -> None:
@@ -338,7 +362,8 @@ def load_engine(
     if restore_rng:
         rng_file = path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
         if meta.get("world_size") == dist.get_world_size() and rng_file.is_file():
-            _set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+            with open(rng_file, "rb") as f:
+                _set_rng_state(load_weights_only(f, str(rng_file)))
     return meta
 
 
@@ -441,6 +466,7 @@ def load_reference_weights(chunks, path: str | Path) -> list[dict[str, torch.Ten
         return item
 
     sharded = dict_list_map_inplace(detach, model_sharded_state_dict(chunks))
+    _refuse_if_unsafe(Path(path))
     loaded = dist_checkpointing.load({"model": sharded}, str(path))
     return [loaded["model"][f"chunk{i}"] for i in range(len(chunks))]
 
@@ -494,11 +520,9 @@ EXTRA_STATE_SUFFIX = "._extra_state"
 
 def checkpoint_entry_names(path: str | Path) -> set[str]:
     """Names stored in a torch_dist checkpoint: tensor keys and ShardedObject unique keys."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     if not (Path(path) / ".metadata").is_file():
         raise CheckpointError(f"{path}: not a torch_dist checkpoint (no .metadata file)")
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return set(read_dcp_metadata(path).state_dict_metadata)
 
 
 def drop_missing_extra_state(sharded_state_dict: dict, stored: set[str], path: str | Path = ""):
@@ -559,9 +583,11 @@ def load_model_weights(chunks, path: str | Path, model_config: ModelConfig | Non
         check_architecture(path, model_config)
     # Converted and training checkpoints carry a manifest; a plain megatron one may not.
     _raise_if_any(path, _file_problems(path, require_manifest=False))
-    sharded, _ = drop_missing_extra_state(
-        model_sharded_state_dict(chunks), checkpoint_entry_names(path), path
-    )
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path}: not a torch_dist checkpoint (no .metadata file)")
+    _refuse_if_unsafe(path)
+    stored = set(read_dcp_metadata(path).state_dict_metadata)
+    sharded, _ = drop_missing_extra_state(model_sharded_state_dict(chunks), stored, path)
     loaded = dist_checkpointing.load({"model": sharded}, str(path))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"], strict=False)

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from gspo_megatron.checkpoint.safe_load import load_rng_state, verify_checkpoint_safe
+from gspo_megatron.checkpoint.safe_load import load_weights_only, verify_checkpoint_safe
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.batch import TrainSample
 from gspo_megatron.megatron.engine import (
@@ -70,7 +70,8 @@ def main() -> int:
         start = time.perf_counter()
         checkpointing.load_engine(fresh, path, restore_rng=False)
         load_s = time.perf_counter() - start
-        load_rng_state(path / "rng" / "rank_00000.pt")
+        with open(path / "rng" / "rank_00000.pt", "rb") as f:
+            load_weights_only(f, "rng")
         same = all(
             (a == b).all()
             for a, b in zip(

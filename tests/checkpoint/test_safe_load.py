@@ -24,7 +24,7 @@ from gspo_megatron.checkpoint.safe_load import (
     METADATA_FILE,
     SafeFileSystemReader,
     UnsafeCheckpointError,
-    load_rng_state,
+    load_weights_only,
     read_dcp_metadata,
     verify_checkpoint_safe,
 )
@@ -101,7 +101,8 @@ def torch_saved(value) -> bytes:
 def test_megatron_checkpoints_pass(saved, name):
     metadata = verify_checkpoint_safe(saved / name)
     assert metadata.state_dict_metadata
-    assert load_rng_state(saved / name / "rng" / "rank_00000.pt")["numpy"][0] == "MT19937"
+    with open(saved / name / "rng" / "rank_00000.pt", "rb") as f:
+        assert load_weights_only(f, "rng")["numpy"][0] == "MT19937"
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])
@@ -196,8 +197,11 @@ def test_rng_state_that_runs_code_is_refused(tmp_path):
     marker = tmp_path / "ran"
     file = tmp_path / "rank_00000.pt"
     file.write_bytes(torch_saved({"python": payloads(marker)["posix.system"]}))
-    with pytest.raises(UnsafeCheckpointError, match="refuses to load posix.system"):
-        load_rng_state(file)
+    with (
+        pytest.raises(UnsafeCheckpointError, match="refuses to load posix.system"),
+        open(file, "rb") as f,
+    ):
+        load_weights_only(f, str(file))
     assert not marker.exists()
 
 
