@@ -167,8 +167,8 @@ class RunCheckpoints:
             return
         if free < 1.1 * size:
             note(
-                f"warning: {free / 2**30:.2f} GiB free under {self.dir}, and the last checkpoint "
-                f"took {size / 2**30:.2f} GiB: the next save may fail"
+                f"warning: {manifest.format_bytes(free)} free under {self.dir}, and the last "
+                f"checkpoint took {manifest.format_bytes(size)}: the next save may fail"
             )
 
     # -- resume -----------------------------------------------------------------------------

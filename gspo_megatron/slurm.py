@@ -325,12 +325,10 @@ def _resume_state(run_dir: Path, run_cfg: Any) -> str:
         return "trainer.resume=never: starts from step 0"
     if run_cfg.trainer.resume != "auto":
         return f"resumes from {run_cfg.trainer.resume}"
-    steps = sorted(
-        int(p.name.split("_")[1])
-        for p in run_dir.glob("checkpoints/step_*")
-        if (p / "gspo_checkpoint.json").is_file()
-    )
-    return f"resumes after step {steps[-1]}" if steps else "new run"
+    from gspo_megatron.run_files import checkpoint_dirs
+
+    steps = [step for step, _ in checkpoint_dirs(run_dir)]
+    return f"resumes after step {steps[-1]} (if it validates)" if steps else "new run"
 
 
 # -- one torchrun per node --------------------------------------------------------------------

@@ -65,3 +65,80 @@ def run_worker(
         tail = (proc.stdout + proc.stderr)[-6000:]
         pytest.fail(f"{script} {' '.join(args)} exited {proc.returncode}:\n{tail}")
     return lines
+
+
+FAULT_INJECTOR = REPO / "tests" / "faults" / "inject"
+
+
+def gspo_train_command(run_dir: Path, overrides: list[str], nproc: int = 1) -> list[str]:
+    """gspo-train (under gspo_megatron.torchrun for several ranks) with Hydra's run directory."""
+    args = ["-m", "gspo_megatron.train", f"hydra.run.dir={run_dir}", *overrides]
+    if nproc == 1:
+        return [sys.executable, *args]
+    return [
+        sys.executable, "-m", "gspo_megatron.torchrun", f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}", *args,
+    ]  # fmt: skip
+
+
+def gspo_train_env(faults: str | None = None, fault_rank: int | None = None) -> dict[str, str]:
+    """The environment of a gspo-train test run; `faults` arms tests/faults/inject."""
+    path = str(REPO) if faults is None else f"{REPO}{os.pathsep}{FAULT_INJECTOR}"
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("GSPO_FAULTS", None)
+    if faults is not None:
+        env["GSPO_FAULTS"] = faults
+        if fault_rank is not None:
+            env["GSPO_FAULT_RANK"] = str(fault_rank)
+    return env
+
+
+def gspo_train(
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    faults: str | None = None,
+    fault_rank: int | None = None,
+    expect: str = "success",
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
+    """Run gspo-train to its end. `expect`: "success" (exit 0), "failure" (non-zero exit) or
+    "killed" (SIGKILL by an injected fault: exit -9, or 1 from torchrun); anything else fails
+    the test with the run's output."""
+    proc = subprocess.run(
+        gspo_train_command(run_dir, list(overrides), nproc),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=gspo_train_env(faults, fault_rank),
+        cwd=REPO,
+    )
+    ok = {
+        "success": proc.returncode == 0,
+        "failure": proc.returncode not in (0, -9),
+        "killed": proc.returncode == -9 or (nproc > 1 and proc.returncode != 0),
+    }[expect]
+    if not ok:
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        pytest.fail(f"gspo-train (expected {expect}) exited {proc.returncode}:\n{tail}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_tensors(path: Path) -> dict:
+    """A checkpoint's model tensors, read with torch DCP (no megatron needed)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader, load
+
+    reader = FileSystemReader(str(path))
+    meta = reader.read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if hasattr(m, "size") and "optimizer" not in k and "extra_state" not in k
+    }
+    load(state, storage_reader=reader, no_dist=True)
+    return state

@@ -133,6 +133,14 @@ def unlisted_files(root: str | Path, entries: dict[str, dict[str, int | str]]) -
     return sorted(present - set(entries))
 
 
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename or a new file in `path` durable (best effort where unsupported)."""
     try:

@@ -174,10 +174,12 @@ def _save_durably(obj: Any, path: Path) -> None:
 def _on_every_rank(what: str, fn: Callable[[], Any], where: Path | None = None) -> list[Any]:
     """Run `fn` on every rank; if it fails anywhere, raise the same CheckpointError everywhere
     (no rank is left waiting in a collective). Returns every rank's result."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     result, problem = None, None
     try:
         result = fn()
-    except Exception as err:  # noqa: BLE001 - reported on every rank below
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank
         problem = _describe_failure(err, where)
     outcomes: list = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, (result, problem))
@@ -219,8 +221,20 @@ def _describe_failure(err: BaseException, where: Path | None) -> str:
         except OSError:
             free = None
         if free is not None and free < 64 << 20:
-            return f"{os.strerror(errno.ENOSPC)} ({free} bytes free under {where.parent}) ({err})"
-    return f"{type(err).__name__}: {err}"
+            files = [p for p in where.rglob("*") if p.is_file()] if where.exists() else []
+            newest = max(files, key=lambda p: p.stat().st_mtime, default=None)
+            writing = f"{newest}: " if newest else f"{where}: "
+            return (
+                f"{writing}{os.strerror(errno.ENOSPC)} ({manifest.format_bytes(free)} free under "
+                f"{where.parent}; the writer reported: {_last_line(err)})"
+            )
+    return _last_line(err)
+
+
+def _last_line(err: BaseException) -> str:
+    """The gist of an error whose text may hold a whole traceback (torch's CheckpointException)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
 
 
 def _use_thread_results_queue() -> None:

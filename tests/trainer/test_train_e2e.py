@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, python_command
+from launch import (
+    REPO,
+    checkpoint_tensors,
+    gspo_train,
+    gspo_train_command,
+    gspo_train_env,
+    read_metrics,
+)
 
 # A short version of the default run: same model, task, algorithm and engine.
 SMALL = [
@@ -28,38 +34,19 @@ SMALL = [
 def train(
     run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    args = ["-m", "gspo_megatron.train", f"hydra.run.dir={run_dir}", *SMALL, *overrides]
-    cmd = python_command(args, nproc)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    if check and proc.returncode != 0:
-        pytest.fail(f"gspo-train exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-5000:]}")
-    return proc
+    return gspo_train(
+        run_dir, *SMALL, *overrides, nproc=nproc, timeout=timeout,
+        expect="success" if check else "failure",
+    )  # fmt: skip
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The newest checkpoint's model tensors, read with torch DCP (no megatron needed)."""
-    from torch.distributed.checkpoint import FileSystemReader, load
-
-    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    reader = FileSystemReader(str(newest))
-    names = [
-        k
-        for k in reader.read_metadata().state_dict_metadata
-        if "optimizer" not in k and "extra_state" not in k
-    ]
-    meta = reader.read_metadata().state_dict_metadata
-    state = {
-        k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype)
-        for k in names
-        if hasattr(meta[k], "size")
-    }
-    load(state, storage_reader=reader, no_dist=True)
-    return state
+    """The newest checkpoint's model tensors."""
+    return checkpoint_tensors(sorted((run_dir / "checkpoints").glob("step_*"))[-1])
 
 
 @pytest.mark.slow
@@ -115,51 +102,12 @@ def test_default_run_learns(tmp_path):
     ]
 
 
-def test_resume_after_kill_is_exact(tmp_path):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    common = ["trainer.steps=6", "trainer.save_every=3", "trainer.eval_every=0", "seed=5"]
-    train(straight, *common)
-    # Start the same run, kill -9 it once the step-3 checkpoint is complete, then resume.
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "gspo_megatron.train", f"hydra.run.dir={killed}", *SMALL, *common]
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    marker = killed / "checkpoints" / "step_000003" / "gspo_checkpoint.json"
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert marker.exists(), "the step-3 checkpoint was never written"
-    train(killed, *common)
-    a, b = metrics(straight), metrics(killed)
-    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
-    skip = {k for k in a[0] if k.startswith(("time/", "perf/"))}
-    for ra, rb in zip(a[3:], b[3:], strict=True):
-        assert {k: v for k, v in ra.items() if k not in skip} == {
-            k: v for k, v in rb.items() if k not in skip
-        }
-    wa, wb = final_weights(straight), final_weights(killed)
-    assert wa.keys() == wb.keys() and wa
-    for key in wa:
-        assert torch.equal(wa[key], wb[key]), key
-
-
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "gspo_megatron.train",
-        f"hydra.run.dir={tmp_path}",
-        *SMALL,
-        "trainer.steps=500",
-        "trainer.eval_every=0",
-    ]
+    cmd = gspo_train_command(tmp_path, [*SMALL, "trainer.steps=500", "trainer.eval_every=0"])
     proc = subprocess.Popen(
-        cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        cmd, env=gspo_train_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
     metrics_file = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
     while (not metrics_file.exists() or not metrics_file.read_text().count("\n") >= 2) and (
@@ -222,17 +170,6 @@ def test_refuses_directory_of_another_run(tmp_path):
     assert proc.returncode != 0
     assert "holds a run with a different config" in proc.stderr
     assert "algorithm.loss" in proc.stderr
-
-
-def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path):
-    train(tmp_path, "trainer.steps=2", "trainer.save_every=1", "trainer.eval_every=0")
-    newest = tmp_path / "checkpoints" / "step_000002"
-    for shard in newest.glob("*.distcp"):
-        shard.write_bytes(shard.read_bytes()[:100])  # truncated shard
-    proc = train(tmp_path, "trainer.steps=3", "trainer.save_every=1", "trainer.eval_every=0")
-    assert "step_000002 is unusable" in proc.stderr
-    assert "resumed at step 1" in proc.stderr
-    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
 
 
 def hf_policy(path: Path, **changes) -> Path:

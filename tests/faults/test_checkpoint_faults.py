@@ -1,0 +1,257 @@
+"""Checkpoints off the happy path, each case through `gspo-train` on CPU (docs/CHECKPOINTS.md,
+"When things go wrong", tabulates the outcomes): kill -9 at five points, damaged checkpoints of
+every form, all checkpoints unusable, resume=never on a used directory, a longer schedule on
+resume, a full disk, and crafted checkpoints through every loading entry point.
+
+Faults are injected by tests/faults/inject (a sitecustomize module armed per run), so the
+product has no test hooks. Runs use a tiny configuration: start-up dominates their cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from launch import REPO, checkpoint_tensors, gspo_train, gspo_train_env, read_metrics
+
+from gspo_megatron.checkpoint import manifest
+
+TINY = [
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "trainer.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+VOLATILE = ("time/", "perf/")
+
+
+def train(run_dir: Path, *overrides: str, **kwargs) -> subprocess.CompletedProcess:
+    return gspo_train(run_dir, *TINY, *overrides, **kwargs)
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def stable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = checkpoint_tensors(a), checkpoint_tensors(b)
+    assert wa.keys() == wb.keys() and wa
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+def test_kill_9_at_five_points_then_resume_is_bitwise_exact(tmp_path):
+    """One run killed five times — mid-step, mid-metrics-record, mid-save (data written, no
+    manifest), just after a checkpoint's rename, and mid-rotation — and resumed each time,
+    ends with the same records and weights as an uninterrupted run."""
+    common = ["trainer.steps=6", "trainer.save_every=2", "seed=5"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    train(straight, *common)
+    faults = [
+        "kill_after_optimizer_step=10",  # in step 3, after step 2's checkpoint
+        "kill_mid_metrics=2",  # resumed at 2: half of step 4's record written
+        "kill_before_manifest=1",  # resumed at 2: step 4's save has data but no manifest
+        "kill_after_publish=1",  # resumed at 2: step_4 complete, rotation not run
+        "kill_mid_rotation=1",  # resumed at 4: step_6 complete, step_2 half deleted
+    ]
+    for fault in faults:
+        train(killed, *common, faults=fault, expect="killed")
+        if fault.startswith("kill_before_manifest"):
+            assert list((killed / "checkpoints").glob("*.tmp-*")), "no partial save was left"
+            assert not step_dir(killed, 4).exists()
+    train(killed, *common)
+    assert [r["step"] for r in read_metrics(killed)] == [1, 2, 3, 4, 5, 6]
+    assert stable(read_metrics(killed)) == stable(read_metrics(straight))
+    assert_same_weights(step_dir(straight, 6), step_dir(killed, 6))
+    # interrupted saves are cleaned up; superseded records are kept aside, not dropped
+    assert not list((killed / "checkpoints").glob("*.tmp-*"))
+    side = (killed / "metrics.superseded.jsonl").read_text().splitlines()
+    assert any(line.startswith('{"step": 4, "reward/me') for line in side)
+
+
+def damage(kind: str, ckpt: Path) -> str:
+    """Damage `ckpt` one way; returns what the resume must report about it."""
+    data = sorted(ckpt.glob("__*.distcp"))[0]
+    if kind == "truncated":
+        os.truncate(data, data.stat().st_size // 2)
+        return f"{data.name}: truncated"
+    if kind == "flipped":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2 : len(raw) // 2 + 4096] = os.urandom(4096)
+        data.write_bytes(bytes(raw))  # the same size: only the checksum can tell
+        return f"{data.name}: checksum mismatch"
+    if kind == "no_manifest":
+        (ckpt / "manifest.json").unlink()
+        return "manifest.json: missing"
+    if kind == "no_dcp_metadata":
+        (ckpt / ".metadata").unlink()
+        return ".metadata: missing"
+    if kind == "no_gspo_metadata":
+        (ckpt / "gspo_checkpoint.json").unlink()
+        return "gspo_checkpoint.json: missing"
+    raise ValueError(kind)
+
+
+def test_damaged_checkpoints_are_named_and_skipped_together(tmp_path):
+    """Five checkpoints, the newest four damaged in four ways: the resume names each problem,
+    moves them aside, resumes from the intact one and retrains from there."""
+    run = tmp_path / "run"
+    train(run, "trainer.steps=5", "trainer.save_every=1", "trainer.keep_last=5")
+    expected = {
+        5: damage("truncated", step_dir(run, 5)),
+        4: damage("flipped", step_dir(run, 4)),
+        3: damage("no_manifest", step_dir(run, 3)),
+        2: damage("no_dcp_metadata", step_dir(run, 2)),
+    }
+    proc = train(run, "trainer.steps=6", "trainer.save_every=1", "trainer.keep_last=5")
+    for step, fragment in expected.items():
+        line = next(x for x in proc.stderr.splitlines() if f"step_{step:06d} is unusable" in x)
+        assert fragment in line, (fragment, line)
+    assert "resumed at step 1" in proc.stderr
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert len((run / "metrics.superseded.jsonl").read_text().splitlines()) == 4
+    moved = sorted((run / "checkpoints" / "superseded").iterdir())
+    assert [p.name.split(".")[0] for p in moved] == [f"step_{s:06d}" for s in (2, 3, 4, 5)]
+    assert all("SUPERSEDED.txt" in {f.name for f in p.iterdir()} for p in moved)
+
+
+def test_no_usable_checkpoint_stops_the_run_and_loads_nothing(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.steps=2", "trainer.save_every=1")
+    damage("flipped", step_dir(run, 2))
+    damage("no_gspo_metadata", step_dir(run, 1))
+    records = (run / "metrics.jsonl").read_text()
+    proc = train(run, "trainer.steps=3", "trainer.save_every=1", expect="failure")
+    assert "holds 2 checkpoint(s) and none is usable" in proc.stderr
+    assert "checksum mismatch" in proc.stderr and "gspo_checkpoint.json: missing" in proc.stderr
+    assert "starting from step 0" not in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == records  # nothing rewritten
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_000001",
+        "step_000002",
+    ]
+
+
+def test_resume_never_refuses_a_directory_with_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.steps=1")
+    proc = train(run, "trainer.steps=2", "trainer.resume=never", expect="failure")
+    assert "trainer.resume=never" in proc.stderr and "holds checkpoints" in proc.stderr
+    proc = train(run, "trainer.steps=2", "trainer.resume=atuo", expect="failure")
+    assert "trainer.resume='atuo' is not auto, never, or a checkpoint directory" in proc.stderr
+
+
+def test_longer_schedule_on_resume_matches_a_run_configured_so_from_the_start(tmp_path):
+    """Linear decay over 4 steps, then resumed with 8: steps 5-8 get the LR that a run of 8
+    steps has there (the schedule is a function of the optimizer step and the current
+    config; megatron's scheduler load would have added steps and kept the old length)."""
+    sched = ["trainer.decay_style=linear", "trainer.save_every=0"]
+    short, full = tmp_path / "short", tmp_path / "full"
+    train(short, "trainer.steps=4", *sched)
+    train(short, "trainer.steps=8", *sched)
+    train(full, "trainer.steps=8", *sched)
+    lr_resumed = [r["actor/lr"] for r in read_metrics(short)]
+    lr_full = [r["actor/lr"] for r in read_metrics(full)]
+    assert lr_resumed[4:] == lr_full[4:]
+    assert all(lr > 0 for lr in lr_full[:7])  # the old behaviour gave 0 from step 5
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str):
+    """A tmpfs of `size` at `path` (root only); yields False where mounting is not allowed."""
+    path.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    try:
+        yield mounted.returncode == 0
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_full_disk_is_named_and_keeps_the_last_checkpoint(tmp_path):
+    """The second checkpoint does not fit: the run stops with the OS's reason, the file, and
+    the intact checkpoint; nothing half-written is left."""
+    one_checkpoint = 2.6e6  # tiny_moe with Adam state, measured
+    with small_filesystem(tmp_path / "disk", f"{int(1.5 * one_checkpoint)}") as real:
+        run = tmp_path / "disk" / "run"
+        faults = None if real else "enospc_in_save=2"  # no tmpfs here: the same error, injected
+        proc = train(run, "trainer.steps=3", "trainer.save_every=1", faults=faults,
+                     expect="failure")  # fmt: skip
+        assert "No space left on device" in proc.stderr, proc.stderr[-3000:]
+        assert "step_000002.tmp-" in proc.stderr  # the file (or directory) being written
+        assert "The newest intact checkpoint is" in proc.stderr and "step_000001" in proc.stderr
+        assert not list((run / "checkpoints").glob("*.tmp-*"))
+        assert manifest.verify(step_dir(run, 1)) == []
+        assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+class _RunsCode:
+    """Unpickling this creates a marker file: a stand-in for any code in a crafted checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def crafted_checkpoint(source: Path, target: Path, marker: Path) -> Path:
+    """A copy of `source` whose DCP metadata runs code when unpickled, with the manifest
+    updated to match (an attacker would), so only the restricted unpickler stands in the way."""
+    shutil.copytree(source, target)
+    with open(target / ".metadata", "wb") as f:
+        pickle.dump(_RunsCode(marker), f)
+    entries = manifest.read_manifest(target)
+    entries[".metadata"] = manifest.file_digest(target / ".metadata")
+    manifest.write_manifest(target, entries)
+    return target
+
+
+def test_crafted_checkpoint_runs_no_code_at_any_entry_point(tmp_path):
+    run = tmp_path / "run"
+    train(run, "trainer.steps=1")
+    marker = tmp_path / "code_ran"
+    crafted = crafted_checkpoint(step_dir(run, 1), tmp_path / "crafted", marker)
+    env = gspo_train_env()
+    entry_points = {
+        "model.init_from": lambda: train(tmp_path / "a", f"model.init_from={crafted}",
+                                         expect="failure"),
+        "trainer.resume": lambda: train(tmp_path / "b", f"trainer.resume={crafted}",
+                                        expect="failure"),
+        "convert_megatron_to_hf": lambda: subprocess.run(
+            [sys.executable, "tools/convert_megatron_to_hf.py", "--megatron-path", str(crafted),
+             "--output", str(tmp_path / "hf")],
+            capture_output=True, text=True, env=env, cwd=REPO,
+        ),
+        "gspo-logprobs": lambda: subprocess.run(
+            [sys.executable, "-m", "gspo_megatron.checkpoint.logprobs_cli", "--checkpoint",
+             str(crafted), "--input", str(write_sequences(tmp_path / "seq.jsonl")),
+             "--output", str(tmp_path / "lp.jsonl")],
+            capture_output=True, text=True, env=env, cwd=REPO,
+        ),
+    }  # fmt: skip
+    for name, run_it in entry_points.items():
+        proc = run_it()
+        assert proc.returncode != 0, name
+        assert "refuses to load posix.system" in proc.stderr, (name, proc.stderr[-2000:])
+        assert not marker.exists(), f"{name} ran the checkpoint's code"
+
+
+def write_sequences(path: Path) -> Path:
+    path.write_text(json.dumps({"input_ids": [1, 5, 6, 7]}) + "\n")
+    return path
