@@ -167,6 +167,11 @@ class Report:
         print(json.dumps(line), flush=True)
 
 
+def first(names: list[str]) -> str:
+    """The first few offending names, for a failing check's detail."""
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+
+
 def params_of(engine: TrainingEngine) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in engine.unwrapped_chunks[0].named_parameters()}
 
@@ -279,9 +284,9 @@ def check_export(report: Report) -> None:
         detail=f"{len(names)} tensors in {buckets} buckets",
     )
     bad_shape = [n for n, t in exported if tuple(t.shape) != tuple(expected.get(n, ()))]
-    report.emit("export/shapes_match_mapping", len(bad_shape), 0.0, detail=str(bad_shape[:3]))
+    report.emit("export/shapes_match_mapping", len(bad_shape), 0.0, detail=first(bad_shape))
     off = [n for n, t in exported if t.device != device() or t.dtype != torch.bfloat16]
-    report.emit("export/tensors_bf16_on_device", float(len(off)), 0.0, detail=str(off[:3]))
+    report.emit("export/tensors_bf16_on_device", float(len(off)), 0.0, detail=first(off))
 
     # transformers on the exported weights, in float32 on the same device (bf16 values are exact
     # in float32), against the engine's bf16 forward: a bf16-vs-fp32 comparison.
@@ -302,7 +307,8 @@ def check_export(report: Report) -> None:
             lp = logp.gather(-1, ids[0, 1:, None])[:, 0]
             theirs.append(lp[len(s.prompt_ids) - 1 :].cpu())
     worst, mean, n = diff_stats(ours, theirs)
-    report.emit("export/transformers_fp32_vs_engine_bf16_max", worst, LOGPROB_TOL, detail=f"{n}")
+    detail = f"{n} tokens"
+    report.emit("export/transformers_fp32_vs_engine_bf16_max", worst, LOGPROB_TOL, detail=detail)
     report.emit("export/transformers_fp32_vs_engine_bf16_mean", mean, LOGPROB_MEAN_TOL)
 
 
@@ -342,14 +348,14 @@ def check_checkpoint(report: Report) -> None:
     report.emit("checkpoint/steps_done", float(meta["steps_done"]), ok=meta["steps_done"] == 2)
     a, b = params_of(saved), params_of(loaded)
     differ = [n for n in a if not torch.equal(a[n], b[n])]
-    report.emit("checkpoint/weights_identical", float(len(differ)), 0.0, detail=str(differ[:3]))
+    report.emit("checkpoint/weights_identical", float(len(differ)), 0.0, detail=first(differ))
     sa, sb = optimizer_state(saved), optimizer_state(loaded)
     differ = [na for (na, x), (_, y) in zip(sa, sb, strict=True) if not torch.equal(x, y)]
     report.emit(
         "checkpoint/optimizer_state_identical",
         float(len(differ) + abs(len(sa) - len(sb))),
         0.0,
-        detail=f"{len(sa)} tensors (fp32 main params, exp_avg, exp_avg_sq, step); {differ[:3]}",
+        detail=f"{len(sa)} tensors (fp32 main params, exp_avg, exp_avg_sq, step) {first(differ)}",
     )
     report.emit("checkpoint/lr_identical", abs(saved.current_lr() - loaded.current_lr()), 0.0)
     m_saved = saved.train_step(batch, LossSettings("gspo"))
