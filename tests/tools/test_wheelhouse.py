@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -16,13 +17,20 @@ from pathlib import Path
 import pytest
 from launch import REPO
 
-pytestmark = pytest.mark.slow
+
+def test_install_scripts_are_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    scripts = [str(REPO / "tools" / name) for name in ("install.sh", "make_wheelhouse.sh")]
+    proc = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_offline_install_from_a_wheelhouse(tmp_path):
     machine = platform.machine()  # x86_64 or aarch64
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
