@@ -1,13 +1,19 @@
-"""Training-step MFU and rollout tokens/s of the moe_1b preset on one GPU (e.g. one H200).
+"""The GPU check: the one-GPU suite's checks, then training-step MFU and rollout tokens/s.
 
-    python benchmarks/gpu_check.py                       # moe_1b, bf16, one GPU; prints a table
-    python benchmarks/gpu_check.py --wheels /path/wheels # install megatron-core from local wheels
-    python benchmarks/gpu_check.py --json mfu.json       # also write the figures as JSON
+    python benchmarks/gpu_check.py --wheelhouse .whl     # on one GPU (e.g. one H200); a table
+    python benchmarks/gpu_check.py --json gpu_check.json # also write every figure as JSON
+    python benchmarks/gpu_check.py --checks none         # the performance figures only
 
-One command on a machine with torch + CUDA (no network needed): if `megatron.core` is missing
-it is installed from the wheels in --wheels (default: ./wheels next to this script), e.g. the
-2.4 MB `megatron_core-0.19.2-*.whl` (installed with --no-deps --ignore-requires-python; see
-tools/install.sh); gspo_megatron is used from this checkout (no install needed).
+One command on a machine with torch + CUDA and no network: when megatron-core or another
+runtime dependency is missing it runs `tools/install.sh --wheelhouse DIR` (wheels from
+`tools/make_wheelhouse.sh`; --wheelhouse defaults to ./wheels next to this script);
+gspo_megatron is used from this checkout. Exit status 1 when a check fails. Meant to finish in
+under 5 minutes on one H200; the table's header gives the wall time.
+
+Checks (tests/gpu/gpu_worker.py, the same code `pytest -m gpu` runs; each in its own process):
+train step, embedded generation vs recomputed log-probs, weight export, checkpoint round trip,
+and bf16 log-probs on the GPU vs fp32 log-probs on the CPU (a CPU process with CUDA hidden
+writes the reference). Tolerances and their reasons: tests/gpu/gpu_worker.py, docs/ENGINE.md.
 
 What it measures, one process, random weights of conf/model/moe_1b.yaml (~1.6B parameters,
 ~0.3B active per token), in the preset's dtype (bf16), local (non-transformer-engine) layers
@@ -18,7 +24,9 @@ unless transformer-engine is importable:
    into micro-batches of --micro-batch-tokens; median over --steps timed steps after --warmup.
 2. forward: `TrainingEngine.forward` on the same batch (the old-policy log-probs pass).
 3. rollout: `EmbeddedEngine.generate`, --rollout-prompts prompts x --rollout-n samples,
-   exactly --rollout-new-tokens new tokens each (no stop token), temperature 1.
+   exactly --rollout-new-tokens new tokens each (no stop token), temperature 1. The engine
+   prefills each distinct prompt once and copies its KV cache to the n samples; so does the
+   FLOP count.
 
 MFU = model FLOPs / (time x peak). Model FLOPs per token (forward) = 2 x active parameters
 that multiply (attention projections, router, top-k experts, output layer; not the embedding
@@ -26,7 +34,8 @@ lookup) + attention scores 4 x layers x context x heads x head_dim, with the cau
 for training and the running context for decoding; training counts 3x the forward (backward =
 2x) and no recomputation. Peak: --peak-tflops, else the device's dense bf16 peak from a small
 table (H200/H100 SXM 989, A100 312); the log-prob/entropy arithmetic of the loss is not counted.
---allow-cpu runs the same code on CPU (with a small --preset, for checking the script itself).
+--allow-cpu runs the same code on CPU (with a small --preset, for checking the script itself;
+the checks then run in bf16 on CPU).
 """
 
 from __future__ import annotations
@@ -35,10 +44,13 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,30 +60,71 @@ sys.path.insert(0, str(REPO))
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.0}
 
 
-def ensure_megatron(wheels: Path) -> str:
-    """Install megatron-core from local wheels when it is missing (gspo_megatron imports it,
-    with its compatibility shims; a bare `import megatron.core` needs triton)."""
-    if importlib.util.find_spec("megatron") and importlib.util.find_spec("megatron.core"):
+# What the checks and the measurement import besides torch (gspo_megatron's runtime needs).
+NEEDED = ("megatron.core", "transformers", "safetensors", "yaml", "psutil", "tqdm", "hydra")
+WORKER = REPO / "tests" / "gpu" / "gpu_worker.py"
+CHECKS = "train,generate,export,checkpoint,logprobs"
+
+
+def ensure_installed(wheelhouse: Path) -> str:
+    """Install the package offline from `wheelhouse` when a runtime dependency is missing."""
+    missing = [name for name in NEEDED if not _importable(name)]
+    if not missing:
         return "already installed"
-    found = sorted(wheels.glob("megatron_core-*.whl")) if wheels.is_dir() else []
-    if not found:
+    if not wheelhouse.is_dir():
         raise SystemExit(
-            f"gpu_check: megatron.core is not importable and no megatron_core-*.whl in {wheels}; "
-            "bring the wheel (pip download --no-deps megatron-core==0.19.2) and pass --wheels DIR"
+            f"gpu_check: {', '.join(missing)} not importable and no wheelhouse at {wheelhouse}; "
+            "make one with tools/make_wheelhouse.sh and pass --wheelhouse DIR"
         )
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--no-index",
-        "--no-deps",
-        "--ignore-requires-python",
-        str(found[-1]),
-    ]
-    subprocess.run(cmd, check=True)
+    env = dict(os.environ, PYTHON=sys.executable)
+    cmd = ["bash", str(REPO / "tools" / "install.sh"), "--wheelhouse", str(wheelhouse)]
+    subprocess.run(cmd, check=True, env=env)
     importlib.invalidate_caches()
-    return f"installed {found[-1].name}"
+    return f"installed from {wheelhouse} (missing: {', '.join(missing)})"
+
+
+def _importable(name: str) -> bool:
+    # find_spec("megatron.core") imports only its parent package, not megatron.core itself
+    # (whose import needs gspo_megatron's shims on CPU).
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def run_checks(names: list[str], allow_cpu: bool, workdir: Path) -> tuple[list[dict], str]:
+    """The suite's checks in worker processes: (JSON rows, output tail of failed workers)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    args = ["--checks", ",".join(names)] + (["--allow-cpu"] if allow_cpu else [])
+    steps = []
+    if "logprobs" in names:
+        reference = workdir / "cpu_reference"
+        hidden = dict(env, CUDA_VISIBLE_DEVICES="")  # an fp32 reference from the CPU
+        steps.append(("cpu reference", ["--cpu-reference", str(reference)], hidden))
+        args += ["--reference", str(reference)]
+    steps.append(("checks", args, env))
+    rows: list[dict] = []
+    errors = ""
+    for label, step_args, step_env in steps:
+        cmd = [sys.executable, str(WORKER), *step_args]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=step_env, timeout=420)
+        except subprocess.TimeoutExpired as err:  # a hang must not cost the table
+            proc = subprocess.CompletedProcess(cmd, 124, _text(err.stdout), _text(err.stderr))
+        lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"check"')]
+        rows += lines
+        if proc.returncode != 0:
+            errors += f"--- {label} exited {proc.returncode}:\n{proc.stderr[-3000:]}\n"
+            if not lines:
+                rows.append(
+                    {"check": f"{label}/ran", "value": proc.returncode, "tol": None, "ok": False,
+                     "detail": "no result; its output follows the table"}
+                )  # fmt: skip
+    return rows, errors
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def active_matmul_params(cfg) -> dict[str, int]:
@@ -114,7 +167,14 @@ def peak_flops(device_name: str, override: float | None) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="moe_1b")
-    parser.add_argument("--wheels", type=Path, default=Path(__file__).resolve().parent / "wheels")
+    parser.add_argument(
+        "--wheelhouse",
+        "--wheels",
+        type=Path,
+        default=Path(__file__).resolve().parent / "wheels",
+        help="wheels from tools/make_wheelhouse.sh, installed when a dependency is missing",
+    )
+    parser.add_argument("--checks", default=CHECKS, help=f"some of {CHECKS}, or none")
     parser.add_argument("--sequences", type=int, default=64, help="sequences per train step")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--response-len", type=int, default=1536)
@@ -130,13 +190,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (checking)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    started = time.perf_counter()
 
     import torch
 
     if not torch.cuda.is_available() and not args.allow_cpu:
         print("gpu_check: no CUDA device (pass --allow-cpu to check the script on CPU)")
         return 2
-    install_note = ensure_megatron(args.wheels)
+    device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    install_note = ensure_installed(args.wheelhouse)
+    names = [c for c in args.checks.split(",") if c and c != "none"]
+    checks, errors = [], ""
+    if names:
+        with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
+            checks, errors = run_checks(names, args.allow_cpu, Path(workdir))
+    checks_seconds = time.perf_counter() - started
+
+    # The performance figures run in this process, after the checks' processes have ended.
+    perf_info, results = {}, {}
+    try:
+        perf_info, results = measure(args, device_name)
+    except Exception as err:  # still print the checks' table
+        errors += f"--- performance measurement raised:\n{traceback.format_exc()[-3000:]}"
+        checks.append(
+            {"check": "performance/ran", "value": float("nan"), "tol": None, "ok": False,
+             "detail": f"{type(err).__name__}: {err}"}
+        )  # fmt: skip
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "device": device_name,
+        "torch": torch.__version__,
+        "megatron": install_note,
+        "wall_seconds": time.perf_counter() - started,
+        "checks_seconds": checks_seconds,
+        **perf_info,
+    }
+    _print(info, checks, results)
+    if errors:
+        print("\noutput of what failed:\n" + errors)
+    if args.json:
+        payload = {"info": info, "checks": checks, "results": results}
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0 if all(c["ok"] for c in checks) else 1
+
+
+def measure(args: argparse.Namespace, device_name: str) -> tuple[dict, dict]:
+    """MFU of forward and train step, rollout tokens/s: (info, rows by phase)."""
+    import torch
 
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.batch import TrainSample
@@ -152,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     from gspo_megatron.rollout.engine import SamplingParams
 
     cuda = torch.cuda.is_available()
-    device_name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = peak_flops(device_name, args.peak_tflops)
     seq_len = args.prompt_len + args.response_len
     cfg = load_preset(args.preset)
@@ -236,18 +335,14 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - started)
     p, r = args.rollout_prompt_len, args.rollout_new_tokens
     decode_flops = forward_flops_per_token(cfg, context=p + (r + 1) / 2) * generated
+    # the engine prefills each distinct prompt once and copies its cache to the n samples
     prefill_flops = forward_flops_per_token(cfg, context=(p + 1) / 2) * p * len(prompts)
-    prefill_flops *= args.rollout_n  # each sample's prompt is prefilled
     results["rollout (embedded engine)"] = _row(
         times, generated, decode_flops + prefill_flops, peak
     )
 
     parts = active_matmul_params(cfg)
     info = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": device_name,
-        "torch": torch.__version__,
-        "megatron": install_note,
         "preset": args.preset,
         "dtype": cfg.params_dtype,
         "parameters": params,
@@ -259,12 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{p} prompt + {r} new tokens",
         "train_peak_memory_gib": train_peak_gib,
     }
-    _print(info, results)
-    if args.json:
-        args.json.write_text(json.dumps({"info": info, "results": results}, indent=2))
     rollout.close()
     parallel.destroy()
-    return 0
+    return info, results
 
 
 def _row(times: list[float], tokens: int, flops: float, peak: float | None) -> dict:
@@ -279,15 +371,28 @@ def _row(times: list[float], tokens: int, flops: float, peak: float | None) -> d
     }
 
 
-def _print(info: dict, results: dict) -> None:
+def _print(info: dict, checks: list[dict], results: dict) -> None:
     print(
-        f"\n{info['date']}  {info['device']}  torch {info['torch']}  "
-        f"megatron-core: {info['megatron']}"
+        f"\ngpu_check {info['date']}  {info['device']}  torch {info['torch']}  "
+        f"megatron-core: {info['megatron']}  ({info['wall_seconds']:.0f} s, checks "
+        f"{info['checks_seconds']:.0f} s)"
     )
+    if checks:
+        print(f"\n{'check':<52} {'figure':>11} {'limit':>9}  result")
+        for c in checks:
+            value = c["value"]
+            figure = f"{value:.3g}" if isinstance(value, float) else str(value)
+            limit = f"<= {c['tol']:.3g}" if c.get("tol") is not None else ""
+            result = "pass" if c["ok"] else "FAIL"
+            print(f"{c['check']:<52} {figure:>11} {limit:>9}  {result}  {c.get('detail', '')}")
+        failed = sum(not c["ok"] for c in checks)
+        print(f"checks: {len(checks) - failed} passed, {failed} failed")
+    if not results:
+        return
     active = sum(info["active_matmul_parameters"].values())
     print(
-        f"preset {info['preset']} ({info['dtype']}): {info['parameters'] / 1e6:,.1f}M parameters, "
-        f"{active / 1e6:,.1f}M active matmul parameters per token (incl. output layer)"
+        f"\npreset {info['preset']} ({info['dtype']}): {info['parameters'] / 1e6:,.1f}M "
+        f"parameters, {active / 1e6:,.1f}M active matmul parameters per token (incl. output layer)"
     )
     print(f"train batch: {info['train_batch']}; rollout: {info['rollout_batch']}")
     print(f"{'phase':<34} {'median s':>9} {'tokens/s':>12} {'TFLOP/s':>9} {'MFU':>7}")

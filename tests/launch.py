@@ -40,12 +40,15 @@ def run_worker(
     nproc: int = 1,
     timeout: float = 600,
     expect_failure: bool = False,
+    env: dict[str, str] | None = None,
 ) -> list[dict]:
     """Run a worker script (under torchrun when nproc > 1); return the JSON lines it printed.
 
-    Fails the test with the worker's output when its exit status is not the expected one.
+    `env` adds to (or overrides) this process's environment. Fails the test with the worker's
+    output when its exit status is not the expected one.
     """
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    base = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **base, **(env or {})}
     if nproc > 1:
         cmd = [
             sys.executable,

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py is meant for one GPU; its --allow-cpu mode runs the same code path on a
-tiny preset, so the prepared script is checked here (it cannot be run on a GPU in CI)."""
+tiny preset, and the GPU suite's checks in bf16 on CPU, so the prepared script is checked here (it
+cannot be run on a GPU in CI)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def test_gpu_check_runs_on_cpu_with_a_tiny_preset(tmp_path):
         assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
     assert "2 micro-batches" in result["info"]["train_batch"]
     assert "MFU" in proc.stdout
+    # the suite's checks (tests/gpu/gpu_worker.py) ran and passed in bf16 on CPU
+    checks = {c["check"]: c for c in result["checks"]}
+    for prefix in ("train/", "generate[torch]/", "generate[megatron]/", "export/", "checkpoint/"):
+        assert any(name.startswith(prefix) for name in checks), (prefix, sorted(checks))
+    assert checks["logprobs/bf16_vs_cpu_fp32_max"]["tol"] == 0.1
+    assert all(c["ok"] for c in checks.values()), [c for c in checks.values() if not c["ok"]]
+    assert "checks: " in proc.stdout and " 0 failed" in proc.stdout
 
 
 def test_flop_count_of_moe_1b():

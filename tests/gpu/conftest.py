@@ -1,0 +1,16 @@
+"""GPU tests live in this directory: marked `gpu` (`pytest -m gpu` selects them) and skipped,
+all of them here in one place, on machines without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
