@@ -157,9 +157,20 @@ def _jsonl_rows(path: str, problems: _Problems) -> Iterator[tuple[str, dict]]:
             yield where, record
 
 
+def _pyarrow(path: str):
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(
+            f"{path}: reading Parquet needs pyarrow, which this install left out: "
+            "pip install 'gspo-megatron[parquet]' (or bash tools/install.sh)"
+        ) from None
+    return pyarrow, pyarrow.parquet
+
+
 def _parquet_rows(path: str, columns: list[str], problems: _Problems) -> Iterator[tuple[str, dict]]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa, pq = _pyarrow(path)
 
     try:
         pf = pq.ParquetFile(path)
@@ -417,7 +428,6 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
 
 def write_parquet(path: str | os.PathLike, records: Sequence[dict]) -> None:
     """Write records as a Parquet table (columns inferred by pyarrow)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa, pq = _pyarrow(str(path))
 
     pq.write_table(pa.Table.from_pylist(list(records)), path)
