@@ -28,6 +28,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
             f"{cfg.rollout.max_new_tokens} exceeds trainer.max_sequence_length="
             f"{cfg.trainer.max_sequence_length}"
         )
+    _warn_about_memory(cfg, model, layout)
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
@@ -47,6 +48,24 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         weight_source=weight_source,
         reference=reference,
     )
+
+
+def _warn_about_memory(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
+    """The Slurm preflight's memory check, as a warning (the plan is an estimate)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from gspo_megatron.memory_plan import PlanError, fit_warning
+    from gspo_megatron.run_files import note
+
+    gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+    try:
+        warning = fit_warning(cfg, model, layout, gib)
+    except PlanError as err:
+        warning = f"the memory plan could not be made ({err})"
+    if warning:
+        note(f"warning: {warning}")
 
 
 def load_run_tokenizer(cfg: RunConfig):

@@ -191,6 +191,8 @@ class LoggingSection:
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "gspo-megatron"
+    # MoE expert-load and route-change metrics. They ride on the old-policy forward (or, with
+    # algorithm.old_logprobs=rollout, on the rollout's routes under R3) and never add a forward.
     moe_route_metrics: bool = True
 
 
@@ -222,9 +224,12 @@ _MODEL_EXTRA_KEYS = {"name", "init_from", "tokenizer"}
 
 
 def resolve(
-    raw: dict[str, Any], world_size: int = 1
+    raw: dict[str, Any], world_size: int = 1, *, check_paths: bool = True
 ) -> tuple[RunConfig, ModelConfig, ParallelLayout]:
-    """Composed config dict -> validated RunConfig, ModelConfig and ParallelLayout."""
+    """Composed config dict -> validated RunConfig, ModelConfig and ParallelLayout.
+
+    check_paths: the input files the config names must exist (off for dry runs elsewhere).
+    """
     raw = dict(raw)
     raw.pop("hydra", None)
     model_raw = dict(raw.pop("model", {}) or {})
@@ -250,6 +255,7 @@ def resolve(
             num_key_value_heads=model.num_key_value_heads,
             num_experts=model.num_experts if model.is_moe else None,
         )
+        layout.check_sequence_length(cfg.trainer.max_sequence_length)
         cfg.data.validate()
         cfg.reward.validate()
     except ConfigError:
@@ -257,7 +263,25 @@ def resolve(
     except ValueError as err:
         raise ConfigError(str(err)) from err
     _check(cfg, model, layout)
+    if check_paths and (missing := missing_paths(cfg)):
+        raise ConfigError(missing[0])
     return cfg, model, layout
+
+
+def missing_paths(cfg: RunConfig) -> list[str]:
+    """Input files named by the config that do not exist here."""
+    from pathlib import Path
+
+    out = []
+    model = cfg.model
+    for key, value in (("model.init_from", model.init_from), ("model.tokenizer", model.tokenizer)):
+        if value and value != "char" and not Path(value).exists():
+            out.append(f"{key}={value} does not exist")
+    for key in ("train_files", "eval_files"):
+        for path in getattr(cfg.data, key, None) or []:
+            if not Path(path).exists():
+                out.append(f"data.{key} entry {path} does not exist")
+    return out
 
 
 def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
@@ -311,12 +335,29 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"algorithm.mismatch_lower={alg.mismatch_lower:g} must be below "
             f"algorithm.mismatch_upper={alg.mismatch_upper:g}"
         )
+    _check_mismatch(alg)
     _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
         alg.overlong_penalty_length
     ):
         raise ConfigError(
             "algorithm.overlong_penalty_cache must be in (0, overlong_penalty_length]"
+        )
+
+
+def _check_mismatch(alg: AlgorithmSection) -> None:
+    from gspo_megatron.algorithms.mismatch import mismatch_support
+
+    if alg.mismatch != "none" and alg.old_logprobs == "rollout":
+        raise ConfigError(
+            f"algorithm.mismatch={alg.mismatch} needs algorithm.old_logprobs=recompute: with "
+            "the rollout's log-probs as pi_old there is no train/rollout mismatch to correct"
+        )
+    problem = mismatch_support(alg.loss, alg.mismatch, alg.mismatch_level)
+    if problem:
+        raise ConfigError(
+            f"algorithm.mismatch={alg.mismatch} at algorithm.mismatch_level="
+            f"{alg.mismatch_level} with algorithm.loss={alg.loss}: {problem}"
         )
 
 

@@ -526,6 +526,20 @@ def settings_from_config(
     )
 
 
+def fit_warning(
+    run_cfg: Any, model: ModelConfig, layout: ParallelLayout, gpu_memory_gib: float
+) -> str | None:
+    """What the memory plan says when this run does not fit the GPUs, else None."""
+    settings = settings_from_config(run_cfg, model, layout, gpu_memory_gib=gpu_memory_gib)
+    memory = plan(model, layout, settings)
+    if memory.fits:
+        return None
+    return (
+        f"the memory plan (tools/plan_memory.py) says this run does not fit in "
+        f"{gpu_memory_gib:.1f} GiB per GPU; change: {memory.advice()}"
+    )
+
+
 # SGLang's own default when mem_fraction_static is not set (it takes most of the GPU).
 SGLANG_DEFAULT_MEM_FRACTION = 0.88
 

@@ -246,15 +246,14 @@ def preflight(
     memory_check: bool = True,
 ) -> Preflight:
     """Compose + validate the config for nodes x gpus_per_node ranks; plan memory; check paths."""
-    from gspo_megatron.config import ConfigError, resolve
+    from gspo_megatron.config import ConfigError, missing_paths, resolve
     from gspo_megatron.memory_plan import PlanError, compose, plan, settings_from_config
 
     world = nodes * gpus_per_node
     lines = [f"allocation: {nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks"]
     try:
         raw = compose(list(overrides))
-        run_cfg, model, layout = resolve(raw, world)
-        layout.check_sequence_length(run_cfg.trainer.max_sequence_length)
+        run_cfg, model, layout = resolve(raw, world, check_paths=False)
     except (ConfigError, ValueError) as err:
         return Preflight([*lines, f"error: config: {err}"], ok=False)
     except Exception as err:  # noqa: BLE001 - Hydra's composition errors (unknown group, syntax)
@@ -270,7 +269,7 @@ def preflight(
             return Preflight([*lines, message], ok=False)
         lines.append(f"rollout: SGLang servers {run_cfg.rollout.sglang.get('urls') or 'launched'}")
     ok = True
-    missing = _missing_paths(run_cfg)
+    missing = missing_paths(run_cfg)
     for path in missing:
         if check_paths:
             lines.append(f"error: {path}")
@@ -304,20 +303,6 @@ def preflight(
         else:
             lines.append(f"warning: the memory plan says it does not fit{advice}")
     return Preflight(lines, ok=ok)
-
-
-def _missing_paths(run_cfg: Any) -> list[str]:
-    """Input files named by the config that do not exist on this node."""
-    out = []
-    model = run_cfg.model
-    for key, value in (("model.init_from", model.init_from), ("model.tokenizer", model.tokenizer)):
-        if value and value != "char" and not Path(value).exists():
-            out.append(f"{key}={value} does not exist")
-    for key in ("train_files", "eval_files"):
-        for path in getattr(run_cfg.data, key, None) or []:
-            if not Path(path).exists():
-                out.append(f"data.{key} entry {path} does not exist")
-    return out
 
 
 def _resume_state(run_dir: Path, run_cfg: Any) -> str:

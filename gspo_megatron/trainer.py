@@ -264,20 +264,29 @@ class Trainer:
                     )
                 )
         moe = self.engine.model_config.is_moe
-        record = moe and (alg.routing_replay == "r2" or self.cfg.logging.moe_route_metrics)
-        if alg.old_logprobs == "recompute" or record:
+        recompute = alg.old_logprobs == "recompute"
+        # Routes are recorded for R2, and for the route metrics when the forward runs anyway;
+        # the metrics never add an old-policy forward of their own (with rollout log-probs they
+        # come from the rollout's routes, under R3, or are not measured).
+        record = moe and (
+            alg.routing_replay == "r2" or (recompute and self.cfg.logging.moe_route_metrics)
+        )
+        if recompute or record:
             result = self.engine.forward(
                 samples, record_routes=record, replay_routes=alg.routing_replay == "r3"
             )
-            for s, lp in zip(samples, result.logprobs, strict=True):
-                if alg.old_logprobs == "recompute":
+            if recompute:
+                for s, lp in zip(samples, result.logprobs, strict=True):
                     s.old_logprobs = lp.tolist()
             if result.routes is not None:
                 batch.stats.update(_expert_load(result.routes, self.engine.model_config))
                 if alg.routing_replay != "r3":
                     for s, routes in zip(samples, result.routes, strict=True):
                         s.routed_experts = routes
-        if alg.old_logprobs == "rollout":
+        elif moe and self.cfg.logging.moe_route_metrics and alg.routing_replay == "r3":
+            routes = [s.routed_experts for s in samples]
+            batch.stats.update(_expert_load(routes, self.engine.model_config))
+        if not recompute:
             for s in samples:
                 s.old_logprobs = list(s.rollout_logprobs)
         batch.stats.update(_mismatch_stats(samples))

@@ -17,7 +17,7 @@ from .losses import (
     sum_loss_terms,
 )
 from .metrics import finalize_metrics, merge_metric_sums, metric_reduce_op, rollout_metrics
-from .mismatch import MISMATCH_MODES, MismatchCorrection, correct_mismatch
+from .mismatch import MISMATCH_MODES, MismatchCorrection, correct_mismatch, mismatch_support
 from .sampling import (
     dapo_keep_indices,
     dupo_fill_indices,
@@ -47,6 +47,7 @@ __all__ = [
     "kl_estimate",
     "merge_metric_sums",
     "metric_reduce_op",
+    "mismatch_support",
     "overlong_filter_mask",
     "policy_loss",
     "policy_loss_terms",

@@ -74,6 +74,26 @@ MISMATCH_MODES = MappingProxyType({"tis": _truncate, "mis": _mask})
 ``"none"`` (no weights) is accepted by :func:`correct_mismatch` too."""
 
 
+def mismatch_support(loss: str, mode: str, level: str) -> str | None:
+    """Why a loss cannot take mismatch weights of `level`, or None when it can.
+
+    Sequence-ratio losses (``gspo``, ``gmpo``) compute one term per sequence, so they take one
+    weight per sequence; a token-level weight has no term to multiply there. Token-level
+    losses take either: token weights per token, a sequence weight on every token.
+    """
+    from .losses import get_policy_loss
+
+    if mode == "none" or level != "token":
+        return None
+    if get_policy_loss(loss).aggregation == "sequence":
+        return (
+            "a sequence-ratio loss has one term per sequence and takes one importance weight "
+            "per sequence; use mismatch_level=sequence (the sequence's likelihood ratio) or "
+            "geometric (its per-token geometric mean, GSPO's own normalisation)"
+        )
+    return None
+
+
 @torch.no_grad()
 def correct_mismatch(
     rollout_logprobs: Tensor,

@@ -551,3 +551,64 @@ def test_seq_sum_must_keep_the_shape():
         policy_loss_terms("gspo", lp, o, A, m, seq_sum=lambda x: x.sum(0))
     with pytest.raises(ValueError, match="seq_sum"):
         policy_loss("gspo", lp, o, A, m, seq_sum=lambda x: x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Train/rollout mismatch corrections composed with every loss (the config's option matrix)
+
+
+def loop_mismatch_weights(rollout, old, m, mode, level, cap=1.15, lower=0.8, upper=1.25):
+    """Float64 loops: [B, T] token weights or [B] sequence weights."""
+    B, T = m.shape
+    rows = [[t for t in range(T) if m[i, t]] for i in range(B)]
+
+    def correct(w):
+        return min(w, cap) if mode == "tis" else (w if lower <= w <= upper else 0.0)
+
+    if level == "token":
+        return torch.tensor(
+            [[correct(math.exp(old[i, t] - rollout[i, t])) if m[i, t] else 0.0 for t in range(T)]
+             for i in range(B)],
+            dtype=F64,
+        )  # fmt: skip
+    out = []
+    for i, toks in enumerate(rows):
+        log_w = sum((old[i, t] - rollout[i, t]).item() for t in toks)
+        if level == "geometric" and toks:
+            log_w /= len(toks)
+        out.append(correct(math.exp(log_w)) if toks else 1.0)
+    return torch.tensor(out, dtype=F64)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+@pytest.mark.parametrize("mode", ["tis", "mis"])
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_mismatch_option_matrix_matches_reference(name, mode, level):
+    """Every loss x {tis, mis} x {token, sequence, geometric}: either refused with a reason
+    (token-level weights for a sequence-ratio loss), or the weights correct_mismatch computes,
+    fed to the loss, give the float64 reference's weighted loss and gradient."""
+    from gspo_megatron.algorithms import correct_mismatch, mismatch_support
+
+    problem = mismatch_support(name, mode, level)
+    if name in SEQ_LEVEL and level == "token":
+        assert problem and "one importance weight per sequence" in problem
+        return
+    assert problem is None
+    hp = base_hparams(name)
+    lp, old, A, m = make_batch(5)
+    g = torch.Generator().manual_seed(11)
+    rollout = old + 0.05 * torch.randn(old.shape, generator=g, dtype=F64)
+    kw = {"cap": 1.15, "lower": 0.8, "upper": 1.25}
+    correction = correct_mismatch(rollout, m, old_logprobs=old, mode=mode, level=level, **kw)
+    expected_w = loop_mismatch_weights(rollout, old, m, mode, level)
+    torch.testing.assert_close(
+        torch.where(m if level == "token" else m.any(-1), correction.is_weights, 0.0),
+        torch.where(m if level == "token" else m.any(-1), expected_w, 0.0),
+        rtol=1e-12, atol=1e-14,
+    )  # fmt: skip
+    loss, _ = policy_loss(name, lp, old, A, m, is_weights=correction.is_weights, **hp)
+    (grad,) = torch.autograd.grad(loss, lp)
+    ref, _, _ = reference_loss(name, lp, old, A, m, hp, is_w=expected_w)
+    (ref_grad,) = torch.autograd.grad(ref, lp)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-14)
