@@ -8,8 +8,9 @@ lives in CPU memory, but tensors meant for the accelerator carry a tag, and
   * an aten op that mixes tagged and untagged tensors raises `DeviceMixError` naming the op and
     the call site, except the mixes CUDA permits: 0-dim host tensors as inputs of TensorIterator
     (pointwise) ops, host index tensors of `index` / `index_put_`, and cross-device `copy_`;
-  * a collective given a host tensor on a process group that would be NCCL on a GPU (the default
-    group and every `new_group` without backend="gloo") raises the same way;
+  * a collective given a host tensor, or a dtype NCCL lacks (int16, ...), on a process group
+    that would be NCCL on a GPU (the default group and every `new_group` without
+    backend="gloo") raises the same way;
   * `.numpy()` of a device tensor raises, as on CUDA (`.item()` and `.tolist()` are allowed);
   * `.device` of a device tensor reports `cuda:0`, `.is_cuda` is true, and object collectives
     on would-be-NCCL groups move their byte tensors to the device, as torch does with NCCL.
@@ -186,6 +187,26 @@ def would_be_nccl(group=None) -> bool:
     return _GROUPS.would_be_nccl(group)
 
 
+# The dtypes ProcessGroupNCCL maps to NCCL types (anything else fails there, int16 included).
+_NCCL_DTYPES = frozenset(
+    {
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+    }
+)
+
+
 def _check_collective(func, args) -> None:
     if func.__name__.startswith(("barrier", "monitored_barrier")):
         return
@@ -195,13 +216,17 @@ def _check_collective(func, args) -> None:
     group = dist.ProcessGroup.unbox(group)
     if not _GROUPS.would_be_nccl(group):
         return
-    host = [t for t in _tensors(args) if _TAGS.kind(t) != _DEVICE_KIND]
-    if host:
+    tensors = list(_tensors(args))
+    host = [t for t in tensors if _TAGS.kind(t) != _DEVICE_KIND]
+    dtypes = sorted({str(t.dtype) for t in tensors if t.dtype not in _NCCL_DTYPES})
+    if host or dtypes:
         name = group.group_name if group.group_desc == "undefined" else group.group_desc
+        problem = f"host tensor(s) {', '.join(_describe(t) for t in host)}" if host else ""
+        if dtypes:
+            problem += f"{' and ' if host else ''}dtype {', '.join(dtypes)} (not an NCCL type)"
         _refuse(
             DeviceMixError,
-            f"{func} on process group {name} (NCCL on a GPU) was given host tensor(s) "
-            f"{', '.join(_describe(t) for t in host)} at {call_site()}",
+            f"{func} on process group {name} (NCCL on a GPU) was given {problem} at {call_site()}",
         )
 
 

@@ -86,6 +86,8 @@ def test_collective_on_would_be_nccl_group_refuses_host_tensors(one_rank):
         with pytest.raises(DeviceMixError, match="allgather"):
             dist.all_gather([dev(2)], torch.ones(2), group=one_rank[name])
         dist.all_reduce(dev(2), group=one_rank[name])
+    with pytest.raises(DeviceMixError, match="dtype torch.int16 \\(not an NCCL type\\)"):
+        dist.all_reduce(dev(2, dtype=torch.int16), group=one_rank["nccl"])
     dist.all_reduce(torch.ones(2), group=one_rank["gloo"])  # gloo groups take host tensors
     dist.barrier()
     assert emulation.would_be_nccl(None) and emulation.would_be_nccl(one_rank["nccl"])
