@@ -24,6 +24,8 @@ import types
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.device import accelerator
+
 MEGATRON_CORE_VERSION = "0.19.2"
 
 _applied = False
@@ -358,10 +360,11 @@ def _communicate_shapes_in_order(self, tensor_send_next, tensor_send_prev, recv_
     """Exchange activation shapes with sends posted next-then-prev and receives prev-then-next,
     so that with a single peer each message meets the receive meant for it."""
     group = self.pp_group
+    device = accelerator()  # megatron's own exchange uses the device (the group is NCCL on GPUs)
     requests = []
     for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
         if tensor is not None:
-            shape = torch.tensor(tensor.size(), dtype=torch.int64)
+            shape = torch.tensor(tensor.size(), dtype=torch.int64, device=device)
             requests.append(dist.isend(shape, peer, group=group))
     received = {}
     for wanted, name, peer in (
@@ -369,7 +372,7 @@ def _communicate_shapes_in_order(self, tensor_send_next, tensor_send_prev, recv_
         (recv_next, "next", self.next_rank),
     ):
         if wanted:
-            received[name] = torch.empty(3, dtype=torch.int64)
+            received[name] = torch.empty(3, dtype=torch.int64, device=device)
             requests.append(dist.irecv(received[name], peer, group=group))
     for request in requests:
         request.wait()

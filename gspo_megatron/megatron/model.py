@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from gspo_megatron.device import on_accelerator
+from gspo_megatron.device import accelerator, on_accelerator
 from gspo_megatron.megatron.attention import LocalCoreAttention
 from gspo_megatron.megatron.cpu_compat import cuda_available
 from gspo_megatron.megatron.layout import ParallelLayout
@@ -203,5 +203,7 @@ def build_model_chunks(
             parallel_output=True,
             vp_stage=vp_stage,
         )
-        chunks.append(chunk)
+        # Some parameters are created on the host whatever the init path (megatron's router
+        # weights, our norms); like megatron's own get_model, place the whole chunk at once.
+        chunks.append(chunk.to(accelerator()))
     return chunks
