@@ -18,6 +18,7 @@ import importlib
 import importlib.abc
 import importlib.metadata
 import importlib.util
+import logging
 import sys
 import types
 
@@ -327,6 +328,11 @@ def _patch_megatron() -> None:
     )
     random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
         new_state
+    )
+    # With these, the "CUDA" generator is the CPU one, so the tracker's warning that a fork
+    # changed the CPU generator fires on every fork (each weight of the accelerator init path).
+    logging.getLogger(random.__name__).addFilter(
+        lambda record: "CPU RNG state changed" not in record.getMessage()
     )
 
 

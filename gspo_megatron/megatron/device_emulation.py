@@ -53,6 +53,7 @@ import numpy as np
 import torch
 import torch.autograd
 import torch.distributed as dist
+import typing_extensions
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -107,9 +108,12 @@ class _Tags:
 _TAGS = _Tags()
 _REPO = Path(__file__).resolve().parents[2]
 _PROJECT_DIRS = (str(_REPO / "gspo_megatron") + os.sep, str(_REPO / "tests") + os.sep)
-_LIBRARY_DIRS = (
+# Frames skipped when naming a call site: torch, the standard library (contextlib, functools,
+# ...) and typing_extensions' decorator wrappers.
+_LIBRARY_PATHS = (
     str(Path(torch.__file__).parent) + os.sep,
-    str(Path(os.__file__).parent) + os.sep,  # the standard library (contextlib, functools, ...)
+    str(Path(os.__file__).parent) + os.sep,
+    str(Path(typing_extensions.__file__)),
 )
 
 
@@ -125,7 +129,7 @@ def call_site() -> str:
     innermost = None
     while frame is not None:
         path = frame.f_code.co_filename
-        if path != __file__ and not path.startswith(_LIBRARY_DIRS):
+        if path != __file__ and not path.startswith(_LIBRARY_PATHS):
             site = f"{_short(path)}:{frame.f_lineno}"
             innermost = innermost or site
             if path.startswith(_PROJECT_DIRS):
