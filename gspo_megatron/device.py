@@ -40,6 +40,14 @@ def to_accelerator(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.to(device, non_blocking=tensor.is_pinned())
 
 
+def pinned_for_accelerator(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in page-locked host memory when the accelerator is a GPU, so that its copy there
+    can run without blocking the host; unchanged on the CPU."""
+    if accelerator().type != "cuda" or tensor.is_pinned():
+        return tensor
+    return tensor.pin_memory()
+
+
 def set_emulated_accelerator(device: torch.device | None) -> None:
     """Test-only: make `accelerator()` name `device` on a machine without CUDA (see the
     device emulation); None switches it off."""

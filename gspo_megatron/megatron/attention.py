@@ -44,7 +44,7 @@ class _GatherSequence(torch.autograd.Function):
         world = dist.get_world_size(group)
         ctx.rank = dist.get_rank(group)
         ctx.length = tensor.shape[0]
-        out = torch.empty((world * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+        out = tensor.new_empty((world * tensor.shape[0],) + tuple(tensor.shape[1:]))
         dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
         return out
 

@@ -8,8 +8,8 @@ Sequences are right-padded, so causal attention never lets a real token see padd
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -60,6 +60,19 @@ class MicroBatch:
     @property
     def num_tokens(self) -> int:
         return self.tokens.numel()
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+        """A copy with `fn` applied to every tensor."""
+        changes = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = fn(value)
+        return replace(self, **changes)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """On `device`; copies from pinned memory do not block the host."""
+        return self.map(lambda t: t.to(device, non_blocking=t.is_pinned()))
 
 
 def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
@@ -220,12 +233,14 @@ def build_microbatch(
     return batch
 
 
-def cp_index(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+def cp_index(
+    seq_len: int, cp_size: int, cp_rank: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Positions this CP rank holds: chunks r and 2*cp-1-r of 2*cp (megatron's load balance)."""
     chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
     last = 2 * cp_size - 1 - cp_rank
-    second = torch.arange(last * chunk, (last + 1) * chunk)
+    second = torch.arange(last * chunk, (last + 1) * chunk, device=device)
     return torch.cat([first, second])
 
 

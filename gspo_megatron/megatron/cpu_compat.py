@@ -18,15 +18,19 @@ import importlib
 import importlib.abc
 import importlib.metadata
 import importlib.util
+import logging
 import sys
 import types
 
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.device import accelerator
+
 MEGATRON_CORE_VERSION = "0.19.2"
 
 _applied = False
+_emulating = False  # the device emulation's form of the shims (see apply)
 
 
 def cuda_available() -> bool:
@@ -47,28 +51,38 @@ def check_megatron_version() -> None:
         )
 
 
-def apply() -> bool:
+def apply(*, emulate_device: bool = False) -> bool:
     """Install the CPU shims if CUDA is unavailable. Idempotent. Returns whether they are active.
 
     The torch-level shims are installed at once; the megatron-level ones run right after
     `megatron.core` is first imported (by whichever module imports it), so importing the
     config-only modules of this package does not load megatron.
+
+    emulate_device: the form the test-only device emulation needs
+    (`gspo_megatron.megatron.device_emulation.enable()` passes it): megatron's CUDA tensors
+    become emulated device tensors instead of host tensors. A process may switch to it after a
+    plain `apply()` as long as megatron.core is not imported yet.
     """
-    global _applied
+    global _applied, _emulating
     check_megatron_version()
-    if _applied:
+    if _applied and (_emulating or not emulate_device):
         return not cuda_available()
     if "megatron.core" in sys.modules:
         raise RuntimeError(
             "gspo_megatron.megatron.cpu_compat.apply() must run before megatron.core is imported"
         )
-    _applied = True
     if cuda_available():
+        if emulate_device:
+            raise RuntimeError("device emulation is for machines without CUDA")
+        _applied = True
         _after_import("megatron.core", _fix_optimizer_fallback_path)
         return False
-    _stub_triton_only_modules()
+    if not _applied:
+        _stub_triton_only_modules()
+        _after_import("megatron.core", lambda: (_patch_megatron(), _fix_optimizer_fallback_path()))
+    _applied = True
+    _emulating = emulate_device
     _redirect_torch_cuda()
-    _after_import("megatron.core", lambda: (_patch_megatron(), _fix_optimizer_fallback_path()))
     return True
 
 
@@ -174,8 +188,9 @@ def _redirect_torch_cuda() -> None:
     Each of these raises on a machine without CUDA, so nothing that worked before changes.
     """
     cuda = torch.cuda
-    # ~200 call sites use `torch.cuda.current_device()` as the device for new tensors.
-    cuda.current_device = lambda: "cpu"
+    # ~200 call sites use `torch.cuda.current_device()` as the device for new tensors: the CPU,
+    # or under the device emulation CUDA device 0, which the emulation places on the CPU.
+    cuda.current_device = (lambda: 0) if _emulating else (lambda: "cpu")
     cuda.set_device = lambda device: None
     cuda.device_count = lambda: 0
     # MoE dispatchers, schedules and the optimizer overlap work on side streams.
@@ -200,9 +215,14 @@ def _redirect_torch_cuda() -> None:
     cuda.max_memory_allocated = lambda device=None: 0
     cuda.memory_allocated = lambda device=None: 0
     cuda.memory_reserved = lambda device=None: 0
-    # `.cuda()` on a tensor or module is a placement request; on CPU it stays where it is.
+    # `.cuda()` on a tensor or module is a placement request; on CPU it stays where it is
+    # (the device emulation moves it to the emulated device instead).
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+    if _emulating:
+        # Emulated device tensors take megatron's CUDA paths, which tell the caching allocator
+        # about side streams; torch's method would refuse the null streams.
+        torch.Tensor.record_stream = lambda self, stream: None
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,26 +278,30 @@ _MODULES_WITH_CUDA_FACTORIES = (
 
 
 def _patch_megatron() -> None:
-    cpu_torch = _CpuDeviceTorch()
-    for name in _MODULES_WITH_CUDA_FACTORIES:
-        module = importlib.import_module(name)
-        module.torch = cpu_torch
+    # Under the device emulation, CUDA factories and `.type()` are the emulation's business: a
+    # host tensor reaching the optimizer must fail there as it would on a GPU.
+    if not _emulating:
+        cpu_torch = _CpuDeviceTorch()
+        for name in _MODULES_WITH_CUDA_FACTORIES:
+            module = importlib.import_module(name)
+            module.torch = cpu_torch
 
-    # The optimizers and gradient clipping accept only tensors whose `.type()` names a CUDA
-    # type; while they run, CPU tensors report the CUDA name of their dtype.
-    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
-    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
-    for owner, name in (
-        (distrib.DistributedOptimizer, "__init__"),
-        (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
-        (clip_grads, "clip_grad_by_total_norm_fp32"),
-        (optimizer, "clip_grad_by_total_norm_fp32"),
-    ):
-        setattr(owner, name, _with_cuda_type_names(getattr(owner, name)))
+        # The optimizers and gradient clipping accept only tensors whose `.type()` names a CUDA
+        # type; while they run, CPU tensors report the CUDA name of their dtype.
+        distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+        optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+        clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+        for owner, name in (
+            (distrib.DistributedOptimizer, "__init__"),
+            (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
+            (clip_grads, "clip_grad_by_total_norm_fp32"),
+            (optimizer, "clip_grad_by_total_norm_fp32"),
+        ):
+            setattr(owner, name, _with_cuda_type_names(getattr(owner, name)))
 
     # gloo's all_to_all_single takes split sizes as lists; the alltoall MoE dispatcher keeps them
-    # as tensors unless they were on a GPU (then it copies them to host numpy arrays).
+    # as tensors unless they were on a GPU (then it copies them to host numpy arrays, which it
+    # still does for emulated device tensors).
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes(dispatcher.maybe_move_tensor_to_cpu)
 
@@ -304,6 +328,11 @@ def _patch_megatron() -> None:
     )
     random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
         new_state
+    )
+    # With these, the "CUDA" generator is the CPU one, so the tracker's warning that a fork
+    # changed the CPU generator fires on every fork (each weight of the accelerator init path).
+    logging.getLogger(random.__name__).addFilter(
+        lambda record: "CPU RNG state changed" not in record.getMessage()
     )
 
 
@@ -337,10 +366,11 @@ def _communicate_shapes_in_order(self, tensor_send_next, tensor_send_prev, recv_
     """Exchange activation shapes with sends posted next-then-prev and receives prev-then-next,
     so that with a single peer each message meets the receive meant for it."""
     group = self.pp_group
+    device = accelerator()  # megatron's own exchange uses the device (the group is NCCL on GPUs)
     requests = []
     for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
         if tensor is not None:
-            shape = torch.tensor(tensor.size(), dtype=torch.int64)
+            shape = torch.tensor(tensor.size(), dtype=torch.int64, device=device)
             requests.append(dist.isend(shape, peer, group=group))
     received = {}
     for wanted, name, peer in (
@@ -348,7 +378,7 @@ def _communicate_shapes_in_order(self, tensor_send_next, tensor_send_prev, recv_
         (recv_next, "next", self.next_rank),
     ):
         if wanted:
-            received[name] = torch.empty(3, dtype=torch.int64)
+            received[name] = torch.empty(3, dtype=torch.int64, device=device)
             requests.append(dist.irecv(received[name], peer, group=group))
     for request in requests:
         request.wait()
@@ -395,7 +425,7 @@ def _uneven_reduce_scatter(original):
 def _host_split_sizes(original):
     @functools.wraps(original)
     def move(tensor, as_numpy: bool = False, record_stream: bool = False):
-        if as_numpy and torch.is_tensor(tensor):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import partial, reduce
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gspo_megatron.algorithms.losses import get_policy_loss, policy_loss_terms
 from gspo_megatron.algorithms.metrics import finalize_metrics, metric_reduce_op
+from gspo_megatron.device import accelerator, pinned_for_accelerator
 from gspo_megatron.megatron.batch import (
     MicroBatch,
     TrainSample,
@@ -275,7 +276,7 @@ class TrainingEngine:
                 mb.advantages,
                 mb.loss_mask,
                 seq_sum=cp_sum,
-                seq_share=torch.full((lp.shape[0],), seq_share),
+                seq_share=torch.full((lp.shape[0],), seq_share, device=lp.device),
                 is_weights=mb.is_weights,
                 # Non-finite values are caught once per step (engine.nonfinite), not per call.
                 check_values=False,
@@ -358,6 +359,8 @@ class TrainingEngine:
         )
         plan = self._fit_interleaved_schedule(plan)
         cp_rank = parallel_state.get_context_parallel_rank()
+        # Built on the host, in pinned memory on a GPU: each is copied to the device as the
+        # schedule reaches it, so at most the micro-batches in flight occupy device memory.
         return [
             build_microbatch(
                 samples,
@@ -367,7 +370,7 @@ class TrainingEngine:
                 cp_size=self.layout.cp,
                 cp_rank=cp_rank,
                 token_advantages=token_advantages,
-            )
+            ).map(pinned_for_accelerator)
             for group in plan
         ]
 
@@ -407,9 +410,10 @@ class TrainingEngine:
         routes = self.routes
         if routes is not None:
             routes.begin(record=record_routes, replay=replay_routes)
+        device = accelerator()
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
-            mb = next(data_iterator)
+            mb = next(data_iterator).to(device)
             vp_stage = getattr(model.module, "vp_stage", None) if hasattr(model, "module") else None
             if routes is not None:
                 routes.before_forward(mb, vp_stage)
@@ -454,16 +458,15 @@ class TrainingEngine:
         return _AllReduceSum.apply(partial_sums, self._cp_group)
 
     def _all_finite(self, loss_value: float) -> bool:
-        local = math.isfinite(loss_value)
-        if local:
-            for m in self.model:
-                for buffer in list(m.buffers) + list(m.expert_parallel_buffers):
-                    if not torch.isfinite(buffer.grad_data.sum()):
-                        local = False
-                        break
-        flag = torch.tensor([0.0 if local else 1.0])
-        dist.all_reduce(flag)
-        return flag.item() == 0.0
+        # Counted on the device and read once: no host sync per gradient buffer.
+        nonfinite = torch.full(
+            (1,), 0.0 if math.isfinite(loss_value) else 1.0, device=accelerator()
+        )
+        for m in self.model:
+            for buffer in list(m.buffers) + list(m.expert_parallel_buffers):
+                nonfinite += ~torch.isfinite(buffer.grad_data.sum())
+        dist.all_reduce(nonfinite)
+        return nonfinite.item() == 0.0
 
     # -- gathering results ---------------------------------------------------------------------
 
@@ -478,16 +481,16 @@ class TrainingEngine:
             keys = sorted(per_mb[0].keys())
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             for op, torch_op, combine in (
-                ("sum", dist.ReduceOp.SUM, sum),
-                ("max", dist.ReduceOp.MAX, max),
-                ("min", dist.ReduceOp.MIN, min),
+                ("sum", dist.ReduceOp.SUM, torch.add),
+                ("max", dist.ReduceOp.MAX, torch.maximum),
+                ("min", dist.ReduceOp.MIN, torch.minimum),
             ):
                 op_keys = [k for k in keys if metric_reduce_op(k) == op]
                 if not op_keys:
                     continue
-                local = torch.tensor(
-                    [combine(float(d[k]) for d in per_mb) for k in op_keys], dtype=torch.float64
-                )
+                # One float64 vector per micro-batch, combined left to right on the device and
+                # read back once.
+                local = reduce(combine, (torch.stack([d[k] for k in op_keys]) for d in per_mb))
                 dist.all_reduce(local, op=torch_op, group=group)
                 result.update(zip(op_keys, local.tolist(), strict=True))
         return self._broadcast_from_last_stage(result)
@@ -512,7 +515,7 @@ class TrainingEngine:
         """Response-aligned per-token values for every sample, on every rank."""
         local: dict[int, np.ndarray] = {}
         for out in per_mb:
-            values = self._gather_cp(out[key])
+            values = self._gather_cp(out[key]).cpu()
             for row, index in enumerate(out["indices"]):
                 s = samples[index]
                 start = len(s.prompt_ids) - 1
@@ -533,9 +536,9 @@ class TrainingEngine:
         parts = [torch.empty_like(values) for _ in range(cp)]
         dist.all_gather(parts, values.contiguous(), group=self._cp_group)
         full_len = values.shape[1] * cp
-        out = torch.empty(values.shape[0], full_len, dtype=values.dtype)
+        out = values.new_empty(values.shape[0], full_len)
         for rank, part in enumerate(parts):
-            out[:, cp_index(full_len, cp, rank)] = part
+            out[:, cp_index(full_len, cp, rank, values.device)] = part
         return out.float()
 
 

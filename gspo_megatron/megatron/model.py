@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from gspo_megatron.device import accelerator, on_accelerator
 from gspo_megatron.megatron.attention import LocalCoreAttention
 from gspo_megatron.megatron.cpu_compat import cuda_available
 from gspo_megatron.megatron.layout import ParallelLayout
@@ -74,9 +75,10 @@ def transformer_config(
         # megatron refuses with its default allgather dispatcher, even for dense models).
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",
-        # Weights are drawn on CPU as full tensors and then split, so a model initialised from
-        # the same seed has the same weights on every TP/EP layout.
-        use_cpu_initialization=True,
+        # Without an accelerator, weights are drawn on CPU as full tensors and then split, so a
+        # model initialised from the same seed has the same weights on every TP/EP layout; on an
+        # accelerator (or the emulated one) each rank draws its shard in place.
+        use_cpu_initialization=not on_accelerator(),
         # Fusions that need CUDA kernels (apex / TE / triton).
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
@@ -105,7 +107,7 @@ def transformer_config(
             moe_permute_fusion=False,
         )
     if on_gpu:
-        kwargs.update(use_cpu_initialization=False, bias_dropout_fusion=True)
+        kwargs.update(bias_dropout_fusion=True)
     return TransformerConfig(**kwargs)
 
 
@@ -201,5 +203,7 @@ def build_model_chunks(
             parallel_output=True,
             vp_stage=vp_stage,
         )
-        chunks.append(chunk)
+        # Some parameters are created on the host whatever the init path (megatron's router
+        # weights, our norms); like megatron's own get_model, place the whole chunk at once.
+        chunks.append(chunk.to(accelerator()))
     return chunks

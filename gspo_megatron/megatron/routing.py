@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from gspo_megatron.device import accelerator
 from gspo_megatron.megatron.batch import MicroBatch, TrainSample, cp_index
 
 
@@ -43,8 +44,9 @@ class RouteRecorder:
             self.routers[key] = sorted(found, key=lambda item: item[0])
         self.record = False
         self.replay = False
-        self.changed = 0
-        self.total = 0
+        # [changed, total] tokens since the last step_metrics, kept on the device (no host sync
+        # per router call)
+        self._counts: torch.Tensor | None = None
         self._valid: torch.Tensor | None = None
 
     # -- per schedule ------------------------------------------------------------------------
@@ -107,12 +109,16 @@ class RouteRecorder:
             )
 
     def step_metrics(self) -> dict[str, float]:
-        counts = torch.tensor([float(self.changed), float(self.total)], dtype=torch.float64)
+        counts = self._counts
+        if counts is None:
+            counts = torch.zeros(2, dtype=torch.int64, device=accelerator())
+        self._counts = None
+        counts = counts.double()
         dist.all_reduce(counts)
-        self.changed = self.total = 0
-        if counts[1] == 0:
+        changed, total = counts.tolist()
+        if total == 0:
             return {}
-        return {"moe/route_change_fraction": float(counts[0] / counts[1])}
+        return {"moe/route_change_fraction": changed / total}
 
     # -- assembling recorded routes ---------------------------------------------------------
 
@@ -122,17 +128,18 @@ class RouteRecorder:
         cp_group = parallel_state.get_context_parallel_group()
         local: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
         for out in outputs:
-            routes = out["routes"]  # [b, s/cp, L_local, k]
+            routes = out["routes"]  # [b, s/cp, L_local, k] int16
             if cp > 1:
-                parts = [torch.empty_like(routes) for _ in range(cp)]
-                dist.all_gather(parts, routes.contiguous(), group=cp_group)
+                # Neither NCCL nor gloo carries int16: gathered as int32.
+                wide = routes.int().contiguous()
+                parts = [torch.empty_like(wide) for _ in range(cp)]
+                dist.all_gather(parts, wide, group=cp_group)
                 full = routes.shape[1] * cp
-                merged = torch.empty(
-                    (routes.shape[0], full) + tuple(routes.shape[2:]), dtype=routes.dtype
-                )
+                merged = wide.new_empty((routes.shape[0], full) + tuple(routes.shape[2:]))
                 for rank, part in enumerate(parts):
-                    merged[:, cp_index(full, cp, rank)] = part
-                routes = merged
+                    merged[:, cp_index(full, cp, rank, merged.device)] = part
+                routes = merged.to(torch.int16)
+            routes = routes.cpu()  # one copy per micro-batch
             for row, index in enumerate(out["indices"]):
                 n = samples[index].length - 1
                 for j, layer in enumerate(out["layers"]):
@@ -180,8 +187,8 @@ class RouteRecorder:
     def _count_changes(self, new: torch.Tensor, old: torch.Tensor, valid: torch.Tensor) -> None:
         same = torch.sort(new, dim=-1).values == torch.sort(old.to(new.dtype), dim=-1).values
         changed = ~same.all(dim=-1) & valid
-        self.changed += int(changed.sum())
-        self.total += int(valid.sum())
+        counts = torch.stack([changed.sum(), valid.sum()])
+        self._counts = counts if self._counts is None else self._counts + counts
 
     def _instrument(self, replay_obj) -> None:
         """While replaying, also compute the router's own top-k to count route changes."""
@@ -199,7 +206,7 @@ class RouteRecorder:
                 valid = (
                     recorder._valid
                     if recorder._valid is not None
-                    else torch.ones(natural.shape[0], dtype=torch.bool)
+                    else torch.ones(natural.shape[0], dtype=torch.bool, device=natural.device)
                 )
                 recorder._count_changes(natural, target, valid)
             return original(scores, topk, num_groups, group_topk, default_compute_topk)

@@ -30,6 +30,8 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from gspo_megatron.device import accelerator
+
 
 class MegatronDecoder:
     """`GPTModel.forward` with a static KV cache (megatron's inference context)."""
@@ -80,9 +82,7 @@ class MegatronDecoder:
 
     def dummy_forward(self) -> None:
         """One token through the model without cache (keeps MoE collectives in step)."""
-        one = torch.zeros(
-            1, 1, dtype=torch.long, device=self.model.embedding.word_embeddings.weight.device
-        )
+        one = torch.zeros(1, 1, dtype=torch.long, device=accelerator())
         self.model(one, one, None, runtime_gather_output=True)
 
 
@@ -189,7 +189,7 @@ class TorchDecoder:
     def start(self, starts: torch.Tensor, total: int) -> None:
         """A cache for len(starts) rows of `total` slots; row b's tokens begin at starts[b]."""
         self._bind()
-        dtype, device = self.embedding.dtype, self.embedding.device
+        dtype, device = self.embedding.dtype, accelerator()
         shape = (len(starts), self.groups, total, self.head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
@@ -376,7 +376,7 @@ class TorchDecoder:
 def check_against(fast: TorchDecoder, reference: MegatronDecoder, vocab_size: int) -> float:
     """Max |log-prob difference| of the two decoders on a prefill + two decode steps."""
     gen = torch.Generator().manual_seed(0)
-    device = fast.model.embedding.word_embeddings.weight.device
+    device = accelerator()
     tokens = torch.randint(0, vocab_size, (3, 9), generator=gen).to(device)
     worst = 0.0
     for decoder in (fast, reference):

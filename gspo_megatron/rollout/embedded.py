@@ -70,6 +70,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.inference.utils import InferenceMode
 
+from gspo_megatron.device import accelerator
 from gspo_megatron.rollout.decoders import (
     MegatronDecoder,
     TorchDecoder,
@@ -195,9 +196,9 @@ class _Batch:
         was_alive = self.alive
         self.alive = was_alive & ~self.stopped & (slot + 1 < self.end)
         done = was_alive & ~self.alive
-        if bool(done.any()):
+        finished, alive = torch.stack([done.sum(), self.alive.sum()]).tolist()  # one sync
+        if finished:
             self._emit(done.nonzero().flatten(), slot + 1)
-        alive = int(self.alive.sum())
         if alive == 0:
             return True
         if alive <= 0.75 * self.alive.numel():
@@ -206,16 +207,13 @@ class _Batch:
 
     def _emit(self, done: torch.Tensor, end: int) -> None:
         """Rows `done` are complete up to slot `end` (exclusive): make their samples."""
+        # one device-to-host copy per array
         tokens = self.tokens[done, :end].cpu()
         logprobs = self.logprobs[done, :end].cpu()
         routes = self.routes[done, : end - 1].cpu() if self.routes is not None else None
-        index = zip(
-            self.rows[done].tolist(),
-            self.start[done].tolist(),
-            self.first[done].tolist(),
-            self.stopped[done].tolist(),
-            strict=True,
-        )
+        index = torch.stack(
+            [self.rows[done], self.start[done], self.first[done], self.stopped[done].long()], 1
+        ).tolist()
         for i, (seq, start, first, stopped) in enumerate(index):
             s = self.seqs[seq]
             self.results[s.key] = RolloutSample(
@@ -271,7 +269,7 @@ class EmbeddedEngine:
         self._trainer = training_engine
         (self.model,) = training_engine.unwrapped_chunks
         self.vocab_size = training_engine.model_config.vocab_size
-        self.device = self.model.embedding.word_embeddings.weight.device
+        self.device = accelerator()
         self.max_sequence_length = min(
             training_engine.settings.max_sequence_length,
             training_engine.model_config.max_position_embeddings,

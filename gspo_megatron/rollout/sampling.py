@@ -70,9 +70,7 @@ def sample_tokens(
     target = uniforms * cdf[:, -1]
     tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    # u * total rounding up to total could land on a trailing masked token: take the mode.
-    bad = torch.isinf(chosen)
-    if bool(bad.any()):
-        tokens = torch.where(bad, logp.argmax(dim=-1), tokens)
-        chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, chosen
+    # u * total rounding up to total could land on a trailing masked token: take the mode
+    # (unconditionally, so that no host sync decides it).
+    tokens = torch.where(torch.isinf(chosen), logp.argmax(dim=-1), tokens)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

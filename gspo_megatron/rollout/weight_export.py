@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from gspo_megatron.checkpoint.loading import sharded_pieces
 from gspo_megatron.checkpoint.mapping import ModelMapping, Shape, TensorMapping, get_mapping
+from gspo_megatron.device import accelerator
 from gspo_megatron.megatron.model_config import ModelConfig
 
 
@@ -198,7 +199,7 @@ class MegatronWeightSource:
         dist.send(flat, dst=self.sender, tag=tag)
 
     def _receive(self, units, pieces, mine, tag) -> list[tuple[str, torch.Tensor]]:
-        device = next(iter(mine.values())).device if mine else torch.device("cpu")
+        device = accelerator()  # the point-to-point transfers run on the default (NCCL) group
         vocab = self.mapping.config.vocab_size
         dtypes = {p.unit: p.dtype for p in pieces}
         full = {
