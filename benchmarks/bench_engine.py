@@ -33,15 +33,15 @@ def step_times(steps: int) -> None:
     import torch
 
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.batch import TrainSample
     from gspo_megatron.megatron.engine import (
         EngineSettings,
-        LossSettings,
         OptimizerSettings,
         TrainingEngine,
     )
     from gspo_megatron.megatron.layout import ParallelLayout
     from gspo_megatron.megatron.model_config import load_preset
+    from gspo_megatron.spec.loss import LossSettings
+    from gspo_megatron.spec.sample import TrainSample
 
     layout = ParallelLayout()
     parallel.initialize(layout, seed=0)

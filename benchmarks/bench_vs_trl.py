@@ -373,15 +373,15 @@ def _engine_losses(hf_dir, prompts, completions, old_lp, advantages, info) -> di
     from gspo_megatron.algorithms import policy_loss
     from gspo_megatron.checkpoint import load_hf_weights
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.batch import TrainSample
     from gspo_megatron.megatron.engine import (
         EngineSettings,
-        LossSettings,
         OptimizerSettings,
         TrainingEngine,
     )
     from gspo_megatron.megatron.layout import ParallelLayout
     from gspo_megatron.megatron.model_config import ModelConfig
+    from gspo_megatron.spec.loss import LossSettings
+    from gspo_megatron.spec.sample import TrainSample
 
     arch = tiny_moe_architecture()
     fields = {k: v for k, v in arch.items() if k in ModelConfig.__dataclass_fields__}
@@ -443,7 +443,8 @@ def our_overrides(hf_dir: Path, work: Path, seed: int, steps: int) -> list[str]:
         "model=tiny_moe",
         f"model.init_from={hf_dir}",
         "model.tokenizer=char",
-        f"model.router_aux_loss_coef={AUX_LOSS_COEF}",
+        "algorithm.moe_aux_loss=aux_loss",
+        f"algorithm.moe_aux_loss_coef={AUX_LOSS_COEF}",
         "data=jsonl",
         f"data.train_files=[{work / 'prompts.jsonl'}]",
         "data.apply_chat_template=false",

@@ -239,10 +239,8 @@ def measure(args: argparse.Namespace, device_name: str) -> tuple[dict, dict]:
     import torch
 
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.batch import TrainSample
     from gspo_megatron.megatron.engine import (
         EngineSettings,
-        LossSettings,
         OptimizerSettings,
         TrainingEngine,
     )
@@ -250,6 +248,8 @@ def measure(args: argparse.Namespace, device_name: str) -> tuple[dict, dict]:
     from gspo_megatron.megatron.model_config import load_preset
     from gspo_megatron.rollout.embedded import EmbeddedEngine
     from gspo_megatron.rollout.engine import SamplingParams
+    from gspo_megatron.spec.loss import LossSettings
+    from gspo_megatron.spec.sample import TrainSample
 
     cuda = torch.cuda.is_available()
     peak = peak_flops(device_name, args.peak_tflops)

@@ -14,7 +14,10 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     from gspo_megatron.data.config import build_datasets
     from gspo_megatron.data.vocab import check_prompt_ids, check_vocab
     from gspo_megatron.megatron import parallel
+    from gspo_megatron.peers import PeerWatchdog
+    from gspo_megatron.ranks import ProcessGroupRanks
     from gspo_megatron.rewards.registry import build_scorer
+    from gspo_megatron.run_files import MetricsLogger, RunCheckpoints
     from gspo_megatron.trainer import Trainer
 
     tokenizer = load_run_tokenizer(cfg)
@@ -33,9 +36,14 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     engine = build_policy_engine(cfg, model, layout)
     reference = None
     if cfg.algorithm.kl_coef > 0:
-        reference = build_policy_engine(cfg, model, layout)
+        from gspo_megatron.megatron.engine import TrainingEngine
+
+        # The initial policy, frozen: copied before a resume loads the policy's checkpoint, so a
+        # resumed run keeps the same reference (model.init_from, or the seeded initialisation).
+        reference = TrainingEngine.frozen_copy(engine)
     scorer = build_scorer(cfg.reward)
     rollout, weight_source = build_rollout(cfg, engine)
+    ranks = ProcessGroupRanks()
     return Trainer(
         cfg,
         engine=engine,
@@ -44,7 +52,10 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         tokenizer=tokenizer,
         train_data=train_data,
         eval_data=eval_data,
-        run_dir=run_dir,
+        ranks=ranks,
+        log=MetricsLogger(run_dir, cfg, total_steps=cfg.trainer.steps, enabled=ranks.rank == 0),
+        checkpoints=RunCheckpoints(run_dir, keep_last=cfg.trainer.keep_last),
+        watchdog=PeerWatchdog(cfg.trainer.peer_timeout_s),
         weight_source=weight_source,
         reference=reference,
     )
@@ -89,6 +100,8 @@ def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayo
             max_tokens_per_microbatch=t.max_tokens_per_microbatch,
             nonfinite=t.nonfinite,
             recompute=t.recompute_activations,
+            moe_aux_loss=cfg.algorithm.moe_aux_loss,
+            moe_aux_loss_coef=cfg.algorithm.moe_aux_loss_coef,
         ),
         OptimizerSettings(
             lr=t.lr,

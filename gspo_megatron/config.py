@@ -80,6 +80,10 @@ class AlgorithmSection:
     overlong_penalty_cache: DAPO's soft overlong punishment (Lmax, Lc; 0 = off).
     mismatch: none | tis | mis (train/rollout correction) at mismatch_level with cap/bounds.
     kl_coef / kl_estimator: KL to the initial policy (k1 | k2 | k3 | low_var_kl).
+    moe_aux_loss: none | aux_loss | seq_aux_loss | global_aux_loss, megatron-core's MoE
+    load-balancing loss added to the policy loss with weight moe_aux_loss_coef. Off by default:
+    RL fine-tunes a router that is already balanced, and the extra gradient moves routes the
+    rollout engine then no longer reproduces (docs/ALGORITHMS.md).
     """
 
     loss: str = "gspo"
@@ -102,6 +106,8 @@ class AlgorithmSection:
     mismatch_upper: float = bounded(2.0, gt=0)
     kl_coef: float = bounded(0.0, ge=0)
     kl_estimator: str = "k3"
+    moe_aux_loss: str = "none"
+    moe_aux_loss_coef: float = bounded(0.0, ge=0)
 
     def loss_hparams(self, max_new_tokens: int) -> dict[str, Any]:
         """The loss's hyper-parameters; Dr.GRPO's constant defaults to rollout.max_new_tokens."""
@@ -216,11 +222,18 @@ _CHOICES = {
     "algorithm.mismatch": ("none", "tis", "mis"),
     "algorithm.mismatch_level": ("token", "sequence", "geometric"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
+    "algorithm.moe_aux_loss": ("none", "aux_loss", "seq_aux_loss", "global_aux_loss"),
     "rollout.engine": ("embedded", "sglang"),
     "trainer.nonfinite": ("skip", "raise"),
     "trainer.decay_style": ("constant", "linear", "cosine"),
 }
 _MODEL_EXTRA_KEYS = {"name", "init_from", "tokenizer"}
+# Keys that moved: the old name -> the message that names the new one.
+_MOVED_KEYS = {
+    "model.router_aux_loss_coef": "the MoE load-balancing loss of RL training is "
+    "algorithm.moe_aux_loss (none | aux_loss | seq_aux_loss | global_aux_loss) with "
+    "algorithm.moe_aux_loss_coef",
+}
 
 
 def resolve(
@@ -233,6 +246,9 @@ def resolve(
     raw = dict(raw)
     raw.pop("hydra", None)
     model_raw = dict(raw.pop("model", {}) or {})
+    for key, message in _MOVED_KEYS.items():
+        if key.split(".", 1)[1] in model_raw:
+            raise ConfigError(f"{key} is no longer a setting: {message}")
     architecture = {k: v for k, v in model_raw.items() if k not in _MODEL_EXTRA_KEYS}
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(architecture) - model_fields)
@@ -336,6 +352,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"algorithm.mismatch_upper={alg.mismatch_upper:g}"
         )
     _check_mismatch(alg)
+    _check_moe_aux_loss(alg, model)
     _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
         alg.overlong_penalty_length
@@ -359,6 +376,20 @@ def _check_mismatch(alg: AlgorithmSection) -> None:
             f"algorithm.mismatch={alg.mismatch} at algorithm.mismatch_level="
             f"{alg.mismatch_level} with algorithm.loss={alg.loss}: {problem}"
         )
+
+
+def _check_moe_aux_loss(alg: AlgorithmSection, model: ModelConfig) -> None:
+    if alg.moe_aux_loss == "none" and alg.moe_aux_loss_coef:
+        raise ConfigError(
+            f"algorithm.moe_aux_loss_coef={alg.moe_aux_loss_coef:g} with algorithm.moe_aux_loss="
+            "none: choose a load-balancing loss (aux_loss, seq_aux_loss, global_aux_loss)"
+        )
+    if alg.moe_aux_loss != "none" and not alg.moe_aux_loss_coef:
+        raise ConfigError(
+            f"algorithm.moe_aux_loss={alg.moe_aux_loss} needs algorithm.moe_aux_loss_coef > 0"
+        )
+    if alg.moe_aux_loss != "none" and not model.is_moe:
+        raise ConfigError("algorithm.moe_aux_loss needs a Mixture-of-Experts model")
 
 
 def _check_resume(resume: str) -> None:

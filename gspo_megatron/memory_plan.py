@@ -189,6 +189,9 @@ class PlanSettings:
     overhead_gib: float = 3.0
     fragmentation: float = 0.10
     moe_imbalance: float = 1.0
+    # A frozen copy of the initial policy for the KL penalty (algorithm.kl_coef > 0): weights
+    # only, no gradients or optimizer state.
+    reference_model: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1 or self.microbatches < 1:
@@ -260,6 +263,7 @@ class RankMemory:
     ranks: tuple[int, int]  # first and last global rank of the stage
     params: StageParams
     weights: float
+    reference: float  # the frozen KL reference's weights (0 without one)
     grads: float
     optimizer: float
     activations_full: float  # without recomputation
@@ -273,7 +277,7 @@ class RankMemory:
 
     @property
     def static(self) -> float:
-        return self.weights + self.grads + self.optimizer
+        return self.weights + self.reference + self.grads + self.optimizer
 
     @property
     def training_peak(self) -> float:
@@ -318,7 +322,7 @@ class MemoryPlan:
     def table(self) -> str:
         s = self.settings
         rows = [
-            f"{'stage':>5} {'ranks':>11} {'params':>8} {'weights':>8} {'grads':>7} "
+            f"{'stage':>5} {'ranks':>11} {'params':>8} {'weights':>8} {'ref':>6} {'grads':>7} "
             f"{'optim':>7} {'act':>7} {'act(rc)':>7} {'rollout':>7} {'other':>6} "
             f"{'train':>7} {'gen':>7}  (GiB)"
         ]
@@ -326,7 +330,8 @@ class MemoryPlan:
             rollout = max(r.rollout_training, r.rollout_generating)
             rows.append(
                 f"{r.stage:>5} {f'{r.ranks[0]}-{r.ranks[1]}':>11} "
-                f"{_count(r.params.total):>8} {r.weights:>8.1f} {r.grads:>7.1f} "
+                f"{_count(r.params.total):>8} {r.weights:>8.1f} {r.reference:>6.1f} "
+                f"{r.grads:>7.1f} "
                 f"{r.optimizer:>7.1f} {r.activations_full:>7.1f} {r.activations_recompute:>7.1f} "
                 f"{rollout:>7.1f} {r.overhead + r.fragmentation:>6.1f} "
                 f"{r.training_peak:>7.1f} {r.generation_peak:>7.1f}"
@@ -357,6 +362,11 @@ class MemoryPlan:
             )
             if not s.distributed_optimizer:
                 tip += ", or shard the optimizer state: trainer.distributed_optimizer=true"
+            if w.reference:
+                tip += (
+                    f"; the KL reference's weights take {w.reference:.1f} GiB of it "
+                    "(algorithm.kl_coef=0 drops the reference)"
+                )
             return tip
         tips = []
         if not s.recompute and w.activations_full > w.activations_recompute:
@@ -391,6 +401,7 @@ class MemoryPlan:
                     "dense_params": r.params.dense,
                     "expert_params": r.params.expert,
                     "weights_gib": r.weights,
+                    "reference_gib": r.reference,
                     "grads_gib": r.grads,
                     "optimizer_gib": r.optimizer,
                     "activations_gib": r.activations,
@@ -440,6 +451,7 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
                 ranks=(stage * per_stage, (stage + 1) * per_stage - 1),
                 params=params,
                 weights=params.total * b / GIB,
+                reference=params.total * b / GIB if settings.reference_model else 0.0,
                 grads=params.total * 4 / GIB,
                 optimizer=optim_bytes
                 * (params.dense / dense_shard + params.expert / expert_shard)
@@ -523,6 +535,7 @@ def settings_from_config(
         rollout=rollout_share_from_config(rollout),
         moe_imbalance=moe_imbalance,
         overhead_gib=overhead_gib,
+        reference_model=alg.kl_coef > 0,
     )
 
 

@@ -47,12 +47,20 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def run(cfg: DictConfig) -> None:
     _quiet_libraries()
+    run_composed(
+        OmegaConf.to_container(cfg, resolve=True), Path(HydraConfig.get().runtime.output_dir)
+    )
+
+
+def run_composed(raw: dict, run_dir: Path) -> None:
+    """Everything gspo-train does with a composed config: validate, build, train, close.
+
+    Exits (SystemExit) with one line on a bad config or a failed run.
+    """
     from gspo_megatron.checkpoint.mapping import ConversionError
     from gspo_megatron.checkpoint.meta import CheckpointError
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        raw = OmegaConf.to_container(cfg, resolve=True)
         run_cfg, model, layout = resolve(raw, int(os.environ.get("WORLD_SIZE", "1")))
         from gspo_megatron.run_files import check_run_directory
 

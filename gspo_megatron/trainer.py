@@ -10,12 +10,9 @@ import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from gspo_megatron.algorithms import (
     correct_mismatch,
@@ -29,13 +26,12 @@ from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.config import RunConfig
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
-from gspo_megatron.device import accelerator
-from gspo_megatron.megatron.batch import TrainSample
-from gspo_megatron.megatron.engine import LossSettings, TrainingEngine
-from gspo_megatron.peers import PeerWatchdog
+from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, WeightSource
-from gspo_megatron.run_files import MetricsLogger, RunCheckpoints, note
+from gspo_megatron.run_files import note
 from gspo_megatron.run_health import RunHealth
+from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.sample import TrainSample
 
 
 @dataclass
@@ -55,21 +51,35 @@ class RolloutBatch:
 
 
 class Trainer:
-    """Owns the loop; the engines, scorer, tokenizer and data come in as objects (testable)."""
+    """Owns the loop. Everything it talks to comes in as an object, so the loop runs the same
+    with megatron engines and real processes (components.build_trainer) or with fakes:
+
+    engine / reference: `train_step`, `forward`, `layout.dp`, `model_config.is_moe`,
+        `current_lr()` (gspo_megatron.megatron.engine.TrainingEngine).
+    rollout, weight_source: a RolloutEngine and what it syncs weights from.
+    scorer, tokenizer, train_data, eval_data: rewards, text, prompts.
+    ranks: this rank, rank 0's objects and votes (gspo_megatron.ranks).
+    log: metrics sink (run_files.MetricsLogger: write, rewind, summary, close).
+    checkpoints: checkpoint store (run_files.RunCheckpoints: save, resume).
+    watchdog: start/stop around the loop (peers.PeerWatchdog).
+    """
 
     def __init__(
         self,
         cfg: RunConfig,
         *,
-        engine: TrainingEngine,
+        engine,
         rollout: RolloutEngine,
         scorer,
         tokenizer,
         train_data,
         eval_data,
-        run_dir: Path,
+        ranks: Ranks,
+        log,
+        checkpoints,
+        watchdog,
         weight_source: WeightSource | None = None,
-        reference: TrainingEngine | None = None,
+        reference=None,
     ) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -79,7 +89,11 @@ class Trainer:
         self.eval_data = eval_data
         self.weight_source = weight_source
         self.reference = reference
-        self.rank = dist.get_rank()
+        self.ranks = ranks
+        self.rank = ranks.rank
+        self.files = checkpoints
+        self.log = log
+        self.watchdog = watchdog
         self.sampler = PromptSampler(
             train_data,
             cfg.rollout.prompts_per_step,
@@ -94,10 +108,6 @@ class Trainer:
         )
         self.step = 0
         self.stop_requested = False
-        self.files = RunCheckpoints(run_dir, keep_last=cfg.trainer.keep_last)
-        self.log = MetricsLogger(
-            run_dir, cfg, total_steps=cfg.trainer.steps, enabled=self.rank == 0
-        )
         self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         self.health = RunHealth(cfg)
         self._last_save = time.monotonic()
@@ -107,13 +117,12 @@ class Trainer:
     def train(self) -> dict[str, float]:
         self._install_signal_handlers()
         self.resume()
-        watchdog = PeerWatchdog(self.cfg.trainer.peer_timeout_s)
-        watchdog.start()
+        self.watchdog.start()
         try:
             last = self._loop()
             self.save()
         finally:
-            watchdog.stop()
+            self.watchdog.stop()
         self.log.summary(last)
         return last
 
@@ -210,7 +219,7 @@ class Trainer:
         if self.rank == 0:
             scored = self.scorer.score(prompts, texts, labels)
             payload = (scored.rewards, scored.metrics(prefix="reward/"))
-        payload = _broadcast(payload)
+        payload = self.ranks.broadcast(payload)
         rewards = torch.tensor(payload[0], dtype=torch.float32).view(len(batch.groups), -1)
         stats = dict(payload[1])
         batch.failed_rewards = int(stats["reward/failures"] + stats["reward/timeouts"])
@@ -314,7 +323,12 @@ class Trainer:
         )
         weights = correction.is_weights
         for i, s in enumerate(samples):
-            s.is_weights = weights[i, : len(s.response_ids)].tolist()
+            # Token level: [B, T]; sequence and geometric levels: one weight per sequence, [B].
+            s.is_weights = (
+                weights[i, : len(s.response_ids)].tolist()
+                if weights.dim() == 2
+                else float(weights[i])
+            )
         sums = {k: float(v) for k, v in correction.metric_sums.items()}
         for key in [k for k in sums if k.endswith("/sum")]:
             count = sums.get(key.replace("/sum", "/count"))
@@ -446,12 +460,9 @@ class Trainer:
             t.save_every_minutes > 0
             and time.monotonic() - self._last_save >= 60 * t.save_every_minutes
         )
-        votes = torch.tensor(
-            [float(by_steps or by_time or self.stop_requested), float(self.stop_requested)],
-            device=accelerator(),
+        save, stop = self.ranks.any(
+            [by_steps or by_time or self.stop_requested, self.stop_requested]
         )
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        save, stop = (bool(v) for v in votes.tolist())
         return save and not stop, stop
 
     def close(self) -> None:
@@ -477,12 +488,6 @@ class _timed:
 def _derive_seed(seed: int, step: int, salt: int) -> int:
     """Per-step sampling seeds derived from the run seed (resumed runs draw the same ones)."""
     return (seed * 1_000_003 + (step + 1) * 7919 + salt * 104_729) % (2**31 - 1)
-
-
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _select(batch: RolloutBatch, index: torch.Tensor) -> RolloutBatch:

@@ -145,3 +145,17 @@ def checkpoint_tensors(path: Path) -> dict:
     }
     load(state, storage_reader=reader, no_dist=True)
     return state
+
+
+def hf_policy(path: Path, **changes) -> Path:
+    """A random Hugging Face Qwen3-MoE with the tiny_moe preset's architecture."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gspo_megatron.megatron.model_config import load_preset
+
+    hf = load_preset("tiny_moe", **changes).to_hf()
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path

@@ -93,7 +93,7 @@ def build_scoring_engine(
 
 def score(engine, sequences: Sequence[Sequence[int]], batch_size: int = 64) -> list[list[float]]:
     """log p(x_t | x_<t), t >= 1, for each sequence, on every rank."""
-    from gspo_megatron.megatron.batch import TrainSample
+    from gspo_megatron.spec.sample import TrainSample
 
     out: list[list[float]] = [[] for _ in sequences]
     scored = [i for i, s in enumerate(sequences) if len(s) >= 2]  # one token: nothing to score

@@ -9,33 +9,11 @@ Sequences are right-padded, so causal attention never lets a real token see padd
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
-import numpy as np
 import torch
 
-
-@dataclass
-class TrainSample:
-    """One prompt+response with what the loss needs; response-aligned lists (len == response)."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    advantage: float | list[float] = 0.0
-    old_logprobs: list[float] | None = None
-    ref_logprobs: list[float] | None = None
-    rollout_logprobs: list[float] | None = None
-    # Per response token: 0 drops the token from the loss (e.g. overlong filtering); None = all 1.
-    loss_mask: list[float] | None = None
-    # Per response token importance weights (train/rollout mismatch correction); None = 1.
-    is_weights: list[float] | None = None
-    # int32 [prompt_len + response_len - 1, num_moe_layers, top_k]: experts chosen for every
-    # consumed token (routing replay); None when not replaying.
-    routed_experts: np.ndarray | None = field(default=None, repr=False)
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
+from gspo_megatron.spec.sample import TrainSample
 
 
 @dataclass
@@ -53,7 +31,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # [b, s]
     ref_logprobs: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
-    is_weights: torch.Tensor | None = None  # [b, s]
+    is_weights: torch.Tensor | None = None  # [b, s], or [b] (one weight per sequence)
     routed_experts: torch.Tensor | None = None  # [b, s, layers, top_k] int32 (CP-local)
     full_length: int = 0  # padded length before the CP split
 
@@ -73,34 +51,6 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         """On `device`; copies from pinned memory do not block the host."""
         return self.map(lambda t: t.to(device, non_blocking=t.is_pinned()))
-
-
-def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
-    for i, sample in enumerate(samples):
-        if not sample.prompt_ids:
-            raise ValueError(f"sample {i}: empty prompt (prompt_ids must hold at least one token)")
-        if not sample.response_ids:
-            raise ValueError(
-                f"sample {i}: empty response (a rollout must produce at least one token; an "
-                "immediate stop still yields the stop token)"
-            )
-        if sample.length > max_length:
-            raise ValueError(
-                f"sample {i}: prompt+response length {sample.length} exceeds the configured "
-                f"maximum sequence length {max_length} (trainer.max_sequence_length)"
-            )
-        n = len(sample.response_ids)
-        for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_mask", "is_weights"):
-            values = getattr(sample, name)
-            if values is not None and len(values) != n:
-                raise ValueError(
-                    f"sample {i}: {name} has {len(values)} entries for {n} response tokens"
-                )
-        if isinstance(sample.advantage, list) and len(sample.advantage) != n:
-            raise ValueError(
-                f"sample {i}: token advantages have {len(sample.advantage)} entries for {n} "
-                "response tokens"
-            )
 
 
 def split_for_data_parallel(
@@ -212,6 +162,7 @@ def build_microbatch(
             routes = torch.as_tensor(s.routed_experts, dtype=torch.int32)
             routed[row, : routes.shape[0]] = routes
     position_ids = torch.arange(seq_len).expand(b, seq_len).contiguous()
+    sequence_weights = _sequence_weights(chosen)
     batch = MicroBatch(
         indices=list(indices),
         tokens=tokens,
@@ -224,13 +175,23 @@ def build_microbatch(
         old_logprobs=aligned("old_logprobs"),
         ref_logprobs=aligned("ref_logprobs"),
         rollout_logprobs=aligned("rollout_logprobs"),
-        is_weights=aligned("is_weights"),
+        is_weights=sequence_weights if sequence_weights is not None else aligned("is_weights"),
         routed_experts=routed,
         full_length=seq_len,
     )
     if cp_size > 1:
         batch = split_for_context_parallel(batch, cp_size, cp_rank)
     return batch
+
+
+def _sequence_weights(chosen: Sequence[TrainSample]) -> torch.Tensor | None:
+    """[b] when the samples carry one importance weight each, else None (token weights or none)."""
+    per_sequence = [isinstance(s.is_weights, int | float) for s in chosen]
+    if not any(per_sequence):
+        return None
+    if not all(per_sequence):
+        raise ValueError("is_weights are one per sequence for some samples of a micro-batch only")
+    return torch.tensor([float(s.is_weights) for s in chosen], dtype=torch.float32)
 
 
 def cp_index(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial, reduce
 
 import numpy as np
@@ -31,18 +31,18 @@ from gspo_megatron.algorithms.metrics import finalize_metrics, metric_reduce_op
 from gspo_megatron.device import accelerator, pinned_for_accelerator
 from gspo_megatron.megatron.batch import (
     MicroBatch,
-    TrainSample,
     build_microbatch,
     cp_index,
     plan_microbatches,
     split_for_data_parallel,
-    validate_samples,
 )
 from gspo_megatron.megatron.layout import ParallelLayout
 from gspo_megatron.megatron.logprobs import DEFAULT_CHUNK_BYTES, vocab_parallel_logprobs
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.routing import RouteRecorder
+from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.sample import TrainSample, validate_samples
 
 
 @dataclass
@@ -64,16 +64,6 @@ class OptimizerSettings:
 
 
 @dataclass
-class LossSettings:
-    """Which policy loss and its hyper-parameters (names as in gspo_megatron.algorithms)."""
-
-    name: str = "gspo"
-    hparams: dict = field(default_factory=dict)
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-
-
-@dataclass
 class EngineSettings:
     max_sequence_length: int = 4096
     max_tokens_per_microbatch: int = 8192  # padded tokens (batch * length) per micro-batch
@@ -84,6 +74,9 @@ class EngineSettings:
     # The policy's entropy on the trained tokens, as a metric (costs ~3% of a step on CPU).
     entropy_metric: bool = True
     use_te: bool | None = None  # None: transformer-engine layers when importable on GPU
+    # The MoE load-balancing loss (megatron's moe_router_load_balancing_type) and its weight.
+    moe_aux_loss: str = "none"
+    moe_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nonfinite not in ("skip", "raise"):
@@ -106,7 +99,11 @@ class NonFiniteError(RuntimeError):
 
 
 class TrainingEngine:
-    """Policy model chunks + optimizer for one parallel layout; called identically on all ranks."""
+    """Policy model chunks + optimizer for one parallel layout; called identically on all ranks.
+
+    A frozen engine (`frozen_copy`) holds weights only: no DDP gradient buffers, no optimizer,
+    no routing replay; it can run `forward` and nothing that trains.
+    """
 
     def __init__(
         self,
@@ -114,6 +111,8 @@ class TrainingEngine:
         layout: ParallelLayout,
         engine: EngineSettings | None = None,
         optimizer: OptimizerSettings | None = None,
+        *,
+        trainable: bool = True,
     ) -> None:
         self.model_config = model_config
         self.layout = layout
@@ -125,12 +124,29 @@ class TrainingEngine:
             num_key_value_heads=model_config.num_key_value_heads,
             num_experts=model_config.num_experts if model_config.is_moe else None,
         )
-        self.config = transformer_config(model_config, layout, recompute=self.settings.recompute)
-        if model_config.is_moe:
+        self.config = transformer_config(
+            model_config,
+            layout,
+            recompute=self.settings.recompute,
+            moe_aux_loss=self.settings.moe_aux_loss if trainable else "none",
+            moe_aux_loss_coef=self.settings.moe_aux_loss_coef,
+        )
+        self.trainable = trainable
+        self.steps_done = 0
+        self._tp_group = parallel_state.get_tensor_model_parallel_group()
+        self._cp_group = parallel_state.get_context_parallel_group()
+        if model_config.is_moe and trainable:
             self.config.moe_enable_routing_replay = True
         chunks = build_model_chunks(
             model_config, layout, config=self.config, use_te=self.settings.use_te
         )
+        if not trainable:
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+            self.model: list[torch.nn.Module] = chunks
+            self.optimizer = self.scheduler = self.routes = None
+            return
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -145,9 +161,16 @@ class TrainingEngine:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.routes = RouteRecorder(self.model, self.config) if model_config.is_moe else None
-        self.steps_done = 0
-        self._tp_group = parallel_state.get_tensor_model_parallel_group()
-        self._cp_group = parallel_state.get_context_parallel_group()
+
+    @classmethod
+    def frozen_copy(cls, policy: TrainingEngine) -> TrainingEngine:
+        """A frozen engine holding `policy`'s current weights (the KL reference: the initial
+        policy when called before training and before a resume loads a checkpoint)."""
+        frozen = cls(policy.model_config, policy.layout, policy.settings, trainable=False)
+        with torch.no_grad():
+            for mine, theirs in zip(frozen.model, policy.unwrapped_chunks, strict=True):
+                mine.load_state_dict(theirs.state_dict())
+        return frozen
 
     # -- construction -------------------------------------------------------------------------
 
@@ -194,7 +217,7 @@ class TrainingEngine:
 
     @property
     def unwrapped_chunks(self) -> list[torch.nn.Module]:
-        return [m.module for m in self.model]
+        return [m.module for m in self.model] if self.trainable else list(self.model)
 
     def forward(
         self,
@@ -233,8 +256,9 @@ class TrainingEngine:
                 replay_routes=replay,
                 route_sink=outputs,
             )
-        for m in self.model:
-            m.train()
+        if self.trainable:
+            for m in self.model:
+                m.train()
         logprobs = self._collect_per_token(samples, per_mb, "logprobs")
         entropy = self._collect_per_token(samples, per_mb, "entropy") if with_entropy else None
         routes = self.routes.collect(samples, outputs) if want_routes else None
@@ -248,6 +272,8 @@ class TrainingEngine:
         With `replay_routes`, MoE layers route with the samples' `routed_experts`; without it,
         given routes are only compared with the current ones (moe/route_change_fraction).
         """
+        if not self.trainable:
+            raise RuntimeError("a frozen engine (the KL reference) cannot train")
         validate_samples(samples, self.settings.max_sequence_length)
         if any(s.old_logprobs is None for s in samples):
             raise ValueError("train_step needs old_logprobs on every sample")
@@ -414,7 +440,7 @@ class TrainingEngine:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator).to(device)
-            vp_stage = getattr(model.module, "vp_stage", None) if hasattr(model, "module") else None
+            vp_stage = getattr(getattr(model, "module", model), "vp_stage", None)
             if routes is not None:
                 routes.before_forward(mb, vp_stage)
             output = model(mb.tokens, mb.position_ids, None)

@@ -33,10 +33,28 @@ def transformer_engine_available() -> bool:
     return cuda_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+# megatron-core's load-balancing losses that leave routing as the model defines it (sinkhorn
+# changes the routing itself, which the rollout engine would not reproduce).
+MOE_AUX_LOSSES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
 def transformer_config(
-    model: ModelConfig, layout: ParallelLayout, *, recompute: bool = False
+    model: ModelConfig,
+    layout: ParallelLayout,
+    *,
+    recompute: bool = False,
+    moe_aux_loss: str = "none",
+    moe_aux_loss_coef: float = 0.0,
 ) -> TransformerConfig:
-    """megatron's TransformerConfig for a Qwen3(-MoE) model on a layout."""
+    """megatron's TransformerConfig for a Qwen3(-MoE) model on a layout.
+
+    moe_aux_loss / moe_aux_loss_coef: the MoE load-balancing loss added to the policy loss
+    (algorithm.moe_aux_loss; off by default for RL, see docs/ALGORITHMS.md).
+    """
+    if moe_aux_loss not in MOE_AUX_LOSSES:
+        raise ValueError(
+            f"moe_aux_loss must be one of {list(MOE_AUX_LOSSES)}, got {moe_aux_loss!r}"
+        )
     dtype = _DTYPES[model.params_dtype]
     on_gpu = cuda_available()
     kwargs = dict(
@@ -100,8 +118,8 @@ def transformer_config(
             # renormalised distribution; pre_softmax=True keeps the unnormalised top-k.
             moe_router_score_function="softmax",
             moe_router_pre_softmax=not model.norm_topk_prob,
-            moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=model.router_aux_loss_coef,
+            moe_router_load_balancing_type=moe_aux_loss,
+            moe_aux_loss_coeff=moe_aux_loss_coef if moe_aux_loss != "none" else 0.0,
             moe_router_dtype="fp32",
             moe_grouped_gemm=transformer_engine_available(),
             moe_permute_fusion=False,
@@ -204,6 +222,9 @@ def build_model_chunks(
             vp_stage=vp_stage,
         )
         # Some parameters are created on the host whatever the init path (megatron's router
-        # weights, our norms); like megatron's own get_model, place the whole chunk at once.
-        chunks.append(chunk.to(accelerator()))
+        # weights, our norms); like megatron's own get_model, place the whole chunk at once
+        # (unless it was built on the meta device, to be counted and never run).
+        if not any(p.is_meta for p in chunk.parameters()):
+            chunk = chunk.to(accelerator())
+        chunks.append(chunk)
     return chunks

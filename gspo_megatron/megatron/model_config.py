@@ -40,6 +40,7 @@ class ModelConfig:
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
     norm_topk_prob: bool = True
+    # Carried from and back to the HF config; RL training uses algorithm.moe_aux_loss(_coef).
     router_aux_loss_coef: float = 0.001
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)

@@ -23,7 +23,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from gspo_megatron.device import accelerator
-from gspo_megatron.megatron.batch import MicroBatch, TrainSample, cp_index
+from gspo_megatron.megatron.batch import MicroBatch, cp_index
+from gspo_megatron.spec.sample import TrainSample
 
 
 class RouteRecorder:

@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.batch import TrainSample
 from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
 from gspo_megatron.megatron.layout import ParallelLayout
 from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.rollout.engine import WeightSource
 from gspo_megatron.rollout.weight_export import MegatronWeightSource
+from gspo_megatron.spec.sample import TrainSample
 
 CONFIG = ModelConfig(
     model_type="qwen3_moe",

@@ -25,10 +25,8 @@ import torch.distributed as dist  # noqa: E402
 
 from gspo_megatron.device import accelerator  # noqa: E402
 from gspo_megatron.megatron import parallel  # noqa: E402
-from gspo_megatron.megatron.batch import TrainSample  # noqa: E402
 from gspo_megatron.megatron.engine import (  # noqa: E402
     EngineSettings,
-    LossSettings,
     OptimizerSettings,
     TrainingEngine,
 )
@@ -37,6 +35,8 @@ from gspo_megatron.megatron.model_config import load_preset  # noqa: E402
 from gspo_megatron.rollout.embedded import EmbeddedEngine  # noqa: E402
 from gspo_megatron.rollout.engine import SamplingParams  # noqa: E402
 from gspo_megatron.rollout.weight_export import MegatronWeightSource  # noqa: E402
+from gspo_megatron.spec.loss import LossSettings  # noqa: E402
+from gspo_megatron.spec.sample import TrainSample  # noqa: E402
 
 VOCAB = 48
 RESULTS: list[dict] = []

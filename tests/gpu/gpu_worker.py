@@ -49,10 +49,8 @@ from pathlib import Path
 import torch
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.batch import TrainSample
 from gspo_megatron.megatron.engine import (
     EngineSettings,
-    LossSettings,
     OptimizerSettings,
     TrainingEngine,
 )
@@ -61,6 +59,8 @@ from gspo_megatron.megatron.model_config import ModelConfig, load_preset
 from gspo_megatron.rollout.embedded import EmbeddedEngine
 from gspo_megatron.rollout.engine import SamplingParams
 from gspo_megatron.rollout.weight_export import MegatronWeightSource, export_shape
+from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.sample import TrainSample
 
 VOCAB = 100
 MAX_LEN = 64

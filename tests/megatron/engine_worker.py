@@ -26,16 +26,16 @@ import torch.distributed as dist
 
 from gspo_megatron.algorithms import policy_loss
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.batch import TrainSample
 from gspo_megatron.megatron.engine import (
     EngineSettings,
-    LossSettings,
     NonFiniteError,
     OptimizerSettings,
     TrainingEngine,
 )
 from gspo_megatron.megatron.layout import ParallelLayout
 from gspo_megatron.megatron.model_config import load_preset
+from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.sample import TrainSample
 
 VOCAB = 48
 RESULTS: list[tuple[str, float, bool]] = []
@@ -63,7 +63,9 @@ def engine_for(
     tokens: int = 64,
     **engine_kw,
 ) -> TrainingEngine:
-    model = load_preset("tiny_moe", router_aux_loss_coef=aux)
+    model = load_preset("tiny_moe")
+    if aux:
+        engine_kw.update(moe_aux_loss="aux_loss", moe_aux_loss_coef=aux)
     settings = EngineSettings(max_sequence_length=40, max_tokens_per_microbatch=tokens, **engine_kw)
     return TrainingEngine(model, layout, settings, optimizer)
 

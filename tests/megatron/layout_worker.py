@@ -22,15 +22,15 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.batch import TrainSample
 from gspo_megatron.megatron.engine import (
     EngineSettings,
-    LossSettings,
     OptimizerSettings,
     TrainingEngine,
 )
 from gspo_megatron.megatron.layout import ParallelLayout
 from gspo_megatron.megatron.model_config import load_preset
+from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.sample import TrainSample
 
 LOSSES = {
     # Wide enough clip ranges that some sequences/tokens are clipped and some are not.
@@ -45,7 +45,7 @@ VOCAB = 48
 def model_config(num_layers: int):
     # The aux loss is defined per micro-batch, so it is not invariant to the micro-batch split;
     # it is switched off here and tested on its own.
-    return load_preset("tiny_moe", num_hidden_layers=num_layers, router_aux_loss_coef=0.0)
+    return load_preset("tiny_moe", num_hidden_layers=num_layers)
 
 
 def make_samples(seed: int = 7, count: int = 8) -> list[TrainSample]:

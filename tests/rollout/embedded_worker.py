@@ -26,10 +26,8 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.megatron import parallel
-from gspo_megatron.megatron.batch import TrainSample
 from gspo_megatron.megatron.engine import (
     EngineSettings,
-    LossSettings,
     OptimizerSettings,
     TrainingEngine,
 )
@@ -37,6 +35,8 @@ from gspo_megatron.megatron.layout import ParallelLayout
 from gspo_megatron.megatron.model_config import load_preset
 from gspo_megatron.rollout.embedded import EmbeddedEngine
 from gspo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.sample import TrainSample
 
 LOGPROB_TOL = 1e-5
 MAX_LEN = 40

@@ -17,6 +17,7 @@ from launch import (
     gspo_train,
     gspo_train_command,
     gspo_train_env,
+    hf_policy,
     read_metrics,
 )
 
@@ -133,7 +134,7 @@ def test_two_processes_match_one_given_the_same_rollouts(tmp_path):
     engine then samples the same tokens on both (per-sequence seeded uniforms, prompts split
     over data-parallel replicas), and the training side agrees to float32 precision; timings
     and throughput differ. The MoE load-balancing loss is computed per micro-batch (as in
-    megatron), so it depends on how the batch is split over ranks: it is switched off here."""
+    megatron), so it depends on how the batch is split over ranks: it is off by default."""
     start, one, two = tmp_path / "start", tmp_path / "one", tmp_path / "two"
     train(start, "trainer.steps=1", "trainer.eval_every=0")
     init = f"model.init_from={start / 'checkpoints' / 'step_000001'}"
@@ -142,7 +143,6 @@ def test_two_processes_match_one_given_the_same_rollouts(tmp_path):
         "trainer.eval_every=0",
         "seed=11",
         init,
-        "model.router_aux_loss_coef=0.0",
     ]
     train(one, *common)
     train(two, *common, "parallel=ep2", nproc=2)
@@ -172,19 +172,6 @@ def test_refuses_directory_of_another_run(tmp_path):
     assert "algorithm.loss" in proc.stderr
 
 
-def hf_policy(path: Path, **changes) -> Path:
-    """A random Hugging Face Qwen3-MoE with the tiny_moe preset's architecture."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from gspo_megatron.megatron.model_config import load_preset
-
-    hf = load_preset("tiny_moe", **changes).to_hf()
-    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
-
-
 def test_starts_from_a_hugging_face_checkpoint(tmp_path):
     init = hf_policy(tmp_path / "hf")
     proc = train(
@@ -209,8 +196,10 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
             "algorithm=grpo",
             "algorithm.routing_replay=r2",
             "algorithm.mismatch=tis",
+            "algorithm.mismatch_level=sequence",
             "algorithm.kl_coef=0.01",
-        ],  # recorded routes, TIS weights, KL to a reference
+            "algorithm.num_minibatches=1",
+        ],  # recorded routes, TIS weights per sequence, KL to the initial policy
     ],
     ids=["dapo", "dupo", "r3", "grpo-r2-tis-kl"],
 )
@@ -219,6 +208,10 @@ def test_algorithm_options_run(tmp_path, overrides):
     records = metrics(tmp_path)
     assert len(records) == 2
     assert "actor/loss" in records[-1] or records[-1]["actor/skipped_steps"] > 0
+    if "algorithm.kl_coef=0.01" in overrides:
+        # The reference is the initial policy: step 1's only minibatch trains from it.
+        assert records[0]["actor/kl_ref"] == 0.0
+        assert records[1]["actor/kl_ref"] > 0.0
     if "algorithm=dapo" in overrides:
         assert records[-1]["sampling/groups_generated"] >= records[-1]["sampling/groups_used"]
 

@@ -1,0 +1,60 @@
+"""One prompt+response with what the loss needs, as the trainer hands it to a training engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class TrainSample:
+    """One prompt+response with what the loss needs; response-aligned lists (len == response)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    advantage: float | list[float] = 0.0
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    rollout_logprobs: list[float] | None = None
+    # Per response token: 0 drops the token from the loss (e.g. overlong filtering); None = all 1.
+    loss_mask: list[float] | None = None
+    # Train/rollout mismatch weights: one per response token, or one for the whole sequence
+    # (sequence and geometric levels; the only form sequence-ratio losses take); None = 1.
+    is_weights: float | list[float] | None = None
+    # int32 [prompt_len + response_len - 1, num_moe_layers, top_k]: experts chosen for every
+    # consumed token (routing replay); None when not replaying.
+    routed_experts: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
+    for i, sample in enumerate(samples):
+        if not sample.prompt_ids:
+            raise ValueError(f"sample {i}: empty prompt (prompt_ids must hold at least one token)")
+        if not sample.response_ids:
+            raise ValueError(
+                f"sample {i}: empty response (a rollout must produce at least one token; an "
+                "immediate stop still yields the stop token)"
+            )
+        if sample.length > max_length:
+            raise ValueError(
+                f"sample {i}: prompt+response length {sample.length} exceeds the configured "
+                f"maximum sequence length {max_length} (trainer.max_sequence_length)"
+            )
+        n = len(sample.response_ids)
+        for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_mask", "is_weights"):
+            values = getattr(sample, name)
+            if isinstance(values, list | tuple) and len(values) != n:
+                raise ValueError(
+                    f"sample {i}: {name} has {len(values)} entries for {n} response tokens"
+                )
+        if isinstance(sample.advantage, list) and len(sample.advantage) != n:
+            raise ValueError(
+                f"sample {i}: token advantages have {len(sample.advantage)} entries for {n} "
+                "response tokens"
+            )

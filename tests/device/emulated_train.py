@@ -1,0 +1,45 @@
+"""`gspo-train ARGS` under the emulated accelerator (gspo_megatron/megatron/device_emulation.py):
+a host tensor given to the model or to a would-be-NCCL collective fails the run, naming the op
+and call site. Runs under torchrun too.
+
+Before training, each rank prints one JSON line proving the emulation is on: a host/device mix
+is refused and the policy's parameters are device tensors.
+"""
+
+from __future__ import annotations
+
+import json
+
+from gspo_megatron.megatron import device_emulation
+
+device_emulation.enable()
+
+import torch  # noqa: E402
+
+from gspo_megatron import trainer as trainer_module  # noqa: E402
+from gspo_megatron.train import main  # noqa: E402
+
+
+def _prove_emulation(train):
+    def checked(self):
+        try:
+            torch.ones(1, device="cuda") + torch.ones(2)
+            refused = False
+        except device_emulation.DeviceMixError:
+            refused = True
+        params = [p for chunk in self.engine.unwrapped_chunks for p in chunk.parameters()]
+        proof = {
+            "rank": self.rank,
+            "mixed_op_refused": refused,
+            "params_on_device": all(device_emulation.on_device(p) for p in params),
+        }
+        print(json.dumps(proof), flush=True)
+        return train(self)
+
+    return checked
+
+
+trainer_module.Trainer.train = _prove_emulation(trainer_module.Trainer.train)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Sweeps option combinations through gspo-train's own code, in one process.
+
+Each combination is composed from conf/ with Hydra, exactly as `gspo-train OVERRIDES` composes
+it, and handed to `gspo_megatron.train.run_composed` (validate, build, train 2 steps, save,
+close). One JSON line per combination: refused (the config error), failed (the error line), or
+trained (a few metrics of each step).
+
+    python tests/trainer/option_sweep_worker.py --sweep mismatch|sampling --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from gspo_megatron.algorithms.losses import POLICY_LOSSES
+from gspo_megatron.train import CONFIG_DIR, _quiet_libraries, run_composed
+
+SMALL = [
+    "trainer.steps=2",
+    "trainer.eval_every=0",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "algorithm.num_minibatches=2",
+    "data.num_train=64",
+    "data.num_eval=8",
+    "rollout.eval_prompts=4",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+]
+KEYS = (
+    "actor/loss",
+    "actor/kl_ref",
+    "actor/optimizer_steps",
+    "reward/mean",
+    "moe/max_expert_load_over_mean",
+)
+
+
+def mismatch_sweep() -> list[list[str]]:
+    combos = []
+    for loss in sorted(POLICY_LOSSES):
+        # The loss's paper hyper-parameters, not those of the default preset (gspo's).
+        combos.append([f"algorithm.loss={loss}", "algorithm.hparams={}", "algorithm.mismatch=none"])
+        for mode, level in itertools.product(("tis", "mis"), ("token", "sequence", "geometric")):
+            combos.append(
+                [f"algorithm.loss={loss}", "algorithm.hparams={}", f"algorithm.mismatch={mode}",
+                 f"algorithm.mismatch_level={level}"]
+            )  # fmt: skip
+    return combos
+
+
+def sampling_sweep() -> list[list[str]]:
+    return [
+        [f"algorithm.old_logprobs={old}", f"algorithm.routing_replay={replay}",
+         f"algorithm.kl_coef={kl}", f"algorithm.dynamic_sampling={sampling}"]
+        for old, replay, kl, sampling in itertools.product(
+            ("recompute", "rollout"), ("off", "r2", "r3"), (0.0, 0.1), ("none", "dapo", "dupo")
+        )
+    ]  # fmt: skip
+
+
+def run_one(overrides: list[str], run_dir: Path) -> dict:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        raw = OmegaConf.to_container(compose("config", overrides=SMALL + overrides), resolve=True)
+    # Each run starts its own one-process group on a fresh port, as a new gspo-train would.
+    os.environ.pop("MASTER_ADDR", None)
+    os.environ.pop("MASTER_PORT", None)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            run_composed(raw, run_dir)
+    except SystemExit as exit_:
+        message = exit_.code if isinstance(exit_.code, str) else err.getvalue().strip()
+        status = "refused" if "config error" in str(message) else "failed"
+        return {"overrides": overrides, "status": status, "message": str(message)[-2000:]}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [{k: r[k] for k in KEYS if k in r} for r in records]
+    return {"overrides": overrides, "status": "trained", "steps": steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", choices=("mismatch", "sampling"), required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    _quiet_libraries()
+    # megatron's distributed optimizer runs gc.collect() on every save; objects alive now are
+    # never garbage, so leave them out of those collections.
+    gc.collect()
+    gc.freeze()
+    combos = mismatch_sweep() if args.sweep == "mismatch" else sampling_sweep()
+    for i, overrides in enumerate(combos):
+        print(json.dumps(run_one(overrides, args.out / f"run{i:03d}")), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

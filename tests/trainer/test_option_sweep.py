@@ -1,0 +1,75 @@
+"""Option combinations through gspo-train's own code (compose -> validate -> build -> 2 steps):
+every combination either trains or is refused before any model is built, naming its keys.
+
+Numbers are checked elsewhere against float64 references (tests/algorithms for the weighted
+losses, tests/trainer/test_trainer_options.py for the loop); here every combination runs on the
+real megatron engine, embedded rollouts and checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from launch import run_worker
+
+WORKER = Path(__file__).resolve().parent / "option_sweep_worker.py"
+SEQUENCE_RATIO_LOSSES = {"gspo", "gmpo"}
+
+
+def sweep(name: str, out: Path) -> list[dict]:
+    return run_worker(WORKER, ["--sweep", name, "--out", str(out)], timeout=900)
+
+
+def settings(result: dict) -> dict[str, str]:
+    return dict(o.split("=", 1) for o in result["overrides"])
+
+
+def assert_trained(result: dict) -> None:
+    assert result["status"] == "trained", result
+    steps = result["steps"]
+    assert len(steps) == 2, result
+    for step in steps:
+        assert math.isfinite(step["actor/loss"]), result
+        assert step["actor/optimizer_steps"] == 2, result
+
+
+@pytest.mark.slow
+def test_loss_mismatch_level_sweep(tmp_path):
+    """Every loss x mismatch {none, tis, mis} x level {token, sequence, geometric}."""
+    results = sweep("mismatch", tmp_path)
+    assert len(results) == 8 * 7
+    refused = []
+    for result in results:
+        s = settings(result)
+        if s["algorithm.loss"] in SEQUENCE_RATIO_LOSSES and s.get("algorithm.mismatch_level") == (
+            "token"
+        ):
+            assert result["status"] == "refused", result
+            message = result["message"]
+            for key in ("algorithm.mismatch=", "algorithm.mismatch_level=token", "algorithm.loss="):
+                assert key in message, message
+            assert "one importance weight per sequence" in message, message
+            refused.append(s["algorithm.loss"])
+        else:
+            assert_trained(result)
+    assert sorted(refused) == ["gmpo", "gmpo", "gspo", "gspo"]
+
+
+@pytest.mark.slow
+def test_old_logprobs_replay_kl_sampling_sweep(tmp_path):
+    """old_logprobs {recompute, rollout} x routing_replay {off, r2, r3} x kl_coef {0, 0.1} x
+    dynamic_sampling {none, dapo, dupo}: all train."""
+    results = sweep("sampling", tmp_path)
+    assert len(results) == 2 * 3 * 2 * 3
+    for result in results:
+        assert_trained(result)
+        s = settings(result)
+        for step in result["steps"]:
+            assert ("actor/kl_ref" in step) == (float(s["algorithm.kl_coef"]) > 0), result
+            # Route metrics ride on a forward that runs anyway, or on the rollout's routes (R3).
+            routes_seen = s["algorithm.old_logprobs"] == "recompute" or s[
+                "algorithm.routing_replay"
+            ] in ("r2", "r3")
+            assert ("moe/max_expert_load_over_mean" in step) == routes_seen, result
