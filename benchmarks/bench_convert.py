@@ -61,7 +61,7 @@ def make_synthetic(out: Path, target_gb: float) -> int:
 
     from gspo_megatron.checkpoint.hf_io import ShardedSafetensorsWriter
     from gspo_megatron.checkpoint.mapping import get_mapping
-    from gspo_megatron.megatron.model_config import ModelConfig
+    from gspo_megatron.spec.model_config import ModelConfig
 
     config = synthetic_config(target_gb)
     cfg = ModelConfig.from_hf(config)

@@ -32,15 +32,18 @@ REPO = Path(__file__).resolve().parents[1]
 def step_times(steps: int) -> None:
     import torch
 
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.engine import (
         EngineSettings,
         OptimizerSettings,
         TrainingEngine,
     )
-    from gspo_megatron.megatron.layout import ParallelLayout
-    from gspo_megatron.megatron.model_config import load_preset
+    from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
+    from gspo_megatron.spec.model_config import load_preset
     from gspo_megatron.spec.sample import TrainSample
 
     layout = ParallelLayout()
@@ -123,6 +126,9 @@ def memory_probe(variant: str, tokens: int, vocab: int) -> None:
     """Runs in a fresh process: peak RSS growth of one log-prob + entropy computation."""
     import torch
 
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 
     torch.manual_seed(0)

@@ -27,11 +27,14 @@ import torch
 
 
 def build_embedded(preset: str, batch_tokens: int, backend: str = "auto"):
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
-    from gspo_megatron.megatron.layout import ParallelLayout
-    from gspo_megatron.megatron.model_config import load_preset
     from gspo_megatron.rollout.embedded import EmbeddedEngine
+    from gspo_megatron.spec.layout import ParallelLayout
+    from gspo_megatron.spec.model_config import load_preset
 
     config = load_preset(preset)
     layout = ParallelLayout()

@@ -372,15 +372,18 @@ def _engine_losses(hf_dir, prompts, completions, old_lp, advantages, info) -> di
 
     from gspo_megatron.algorithms import policy_loss
     from gspo_megatron.checkpoint import load_hf_weights
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.engine import (
         EngineSettings,
         OptimizerSettings,
         TrainingEngine,
     )
-    from gspo_megatron.megatron.layout import ParallelLayout
-    from gspo_megatron.megatron.model_config import ModelConfig
+    from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
+    from gspo_megatron.spec.model_config import ModelConfig
     from gspo_megatron.spec.sample import TrainSample
 
     arch = tiny_moe_architecture()
@@ -479,6 +482,9 @@ def phase_ours(hf_dir: Path, work: Path, seed: int, steps: int, threads: int, ta
 
     from gspo_megatron.components import build_trainer
     from gspo_megatron.config import resolve
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
     from gspo_megatron.run_files import check_run_directory
     from gspo_megatron.train import _quiet_libraries

@@ -28,11 +28,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def build_source(hidden: int, layers: int):
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
-    from gspo_megatron.megatron.layout import ParallelLayout
-    from gspo_megatron.megatron.model_config import load_preset
     from gspo_megatron.rollout.weight_export import MegatronWeightSource
+    from gspo_megatron.spec.layout import ParallelLayout
+    from gspo_megatron.spec.model_config import load_preset
 
     model = load_preset(
         "tiny_moe",

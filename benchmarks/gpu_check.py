@@ -238,17 +238,20 @@ def measure(args: argparse.Namespace, device_name: str) -> tuple[dict, dict]:
     """MFU of forward and train step, rollout tokens/s: (info, rows by phase)."""
     import torch
 
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.engine import (
         EngineSettings,
         OptimizerSettings,
         TrainingEngine,
     )
-    from gspo_megatron.megatron.layout import ParallelLayout
-    from gspo_megatron.megatron.model_config import load_preset
     from gspo_megatron.rollout.embedded import EmbeddedEngine
     from gspo_megatron.rollout.engine import SamplingParams
+    from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
+    from gspo_megatron.spec.model_config import load_preset
     from gspo_megatron.spec.sample import TrainSample
 
     cuda = torch.cuda.is_available()

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gspo_megatron.config import ConfigError, RunConfig
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.model_config import ModelConfig
 
 
 def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, run_dir: Path):

@@ -15,9 +15,9 @@ from typing import Any
 
 from gspo_megatron.config_fields import bounded, check_ranges
 from gspo_megatron.data.config import DataConfig
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.rewards.registry import RewardConfig
+from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.model_config import ModelConfig
 
 
 class ConfigError(ValueError):
@@ -125,7 +125,6 @@ class RolloutSection:
     per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens. Evaluation:
     eval_temperature (0 = greedy) and eval_samples (k of avg@k / pass@k). sglang: keyword
     arguments of gspo_megatron.rollout.sglang.SGLangEngineConfig.
-    weight_sync_bucket_mb: bucket size of weight updates to external engines.
     """
 
     engine: str = "embedded"
@@ -139,7 +138,6 @@ class RolloutSection:
     eval_samples: int = bounded(1, ge=1)
     eval_prompts: int = bounded(64, ge=0)
     max_batch_tokens: int = bounded(16384, ge=1)
-    weight_sync_bucket_mb: int = 512
     sglang: dict[str, Any] = field(default_factory=dict)
 
 
@@ -233,6 +231,8 @@ _MOVED_KEYS = {
     "model.router_aux_loss_coef": "the MoE load-balancing loss of RL training is "
     "algorithm.moe_aux_loss (none | aux_loss | seq_aux_loss | global_aux_loss) with "
     "algorithm.moe_aux_loss_coef",
+    "rollout.weight_sync_bucket_mb": "it was never read; the bucket size of weight updates to "
+    "SGLang is rollout.sglang.bucket_bytes",
 }
 
 
@@ -247,7 +247,8 @@ def resolve(
     raw.pop("hydra", None)
     model_raw = dict(raw.pop("model", {}) or {})
     for key, message in _MOVED_KEYS.items():
-        if key.split(".", 1)[1] in model_raw:
+        section, name = key.split(".", 1)
+        if name in (model_raw if section == "model" else raw.get(section) or {}):
             raise ConfigError(f"{key} is no longer a setting: {message}")
     architecture = {k: v for k, v in model_raw.items() if k not in _MODEL_EXTRA_KEYS}
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron import CONF_DIR
+from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.model_config import ModelConfig
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 ASSUMPTIONS = """\
 Assumptions of the estimate (parameters are exact; the rest is an estimate):

@@ -57,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     os.environ["PET_SIGNALS_TO_HANDLE"] = _TORCHRUN_SIGNALS
+    # torchrun's own default (one thread per worker), set here so it does not print a banner.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     forward_stop_signals()
     try:
         torchrun_main(list(sys.argv[1:] if argv is None else argv))

@@ -13,6 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from gspo_megatron import CONF_DIR
 from gspo_megatron.config import ConfigError, resolve
 from gspo_megatron.data.dataset import DataError
 from gspo_megatron.data.vocab import VocabMismatchError
@@ -39,12 +40,13 @@ def _quiet_libraries() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
-# An absolute path: relative ones resolve against the calling module, which differs between
-# `python -m gspo_megatron.train` and the `gspo-train` console script.
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-@hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
+@hydra.main(
+    # An absolute path: relative ones resolve against the calling module, which differs between
+    # `python -m gspo_megatron.train` and the `gspo-train` console script.
+    config_path=str(CONF_DIR),
+    config_name="config",
+    version_base="1.3",
+)
 def run(cfg: DictConfig) -> None:
     _quiet_libraries()
     run_composed(
@@ -66,6 +68,9 @@ def run_composed(raw: dict, run_dir: Path) -> None:
 
         check_run_directory(run_dir, run_cfg)
         from gspo_megatron.components import build_trainer
+        from gspo_megatron.megatron import cpu_compat
+
+        cpu_compat.apply()  # before megatron-core is imported
 
         trainer = build_trainer(run_cfg, model, layout, run_dir)
     except ConfigError as err:

@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from gspo_megatron.network import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def python_command(args: list[str], nproc: int = 1) -> list[str]:
@@ -152,7 +147,7 @@ def hf_policy(path: Path, **changes) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from gspo_megatron.megatron.model_config import load_preset
+    from gspo_megatron.spec.model_config import load_preset
 
     hf = load_preset("tiny_moe", **changes).to_hf()
     config = AutoConfig.for_model(hf.pop("model_type"), **hf)

@@ -52,8 +52,8 @@ from gspo_megatron.checkpoint.meta import (
     read_meta,
     write_meta,
 )
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.model_config import ModelConfig
 
 HF_FILES_DIR = "hf_files"  # original config.json and tokenizer files inside a megatron ckpt
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20

@@ -33,7 +33,7 @@ from gspo_megatron.checkpoint.mapping import (
 )
 
 if TYPE_CHECKING:
-    from gspo_megatron.megatron.model_config import ModelConfig
+    from gspo_megatron.spec.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -135,7 +135,7 @@ def _normalized_hf_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 def read_hf_config(path: str | Path, **overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
     """(ModelConfig, the raw config.json dict) of an HF model directory (or its config file)."""
-    from gspo_megatron.megatron.model_config import ModelConfig
+    from gspo_megatron.spec.model_config import ModelConfig
 
     config_file = Path(path) if Path(path).is_file() else Path(path) / "config.json"
     if not config_file.is_file():

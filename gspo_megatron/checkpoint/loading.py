@@ -30,7 +30,7 @@ from gspo_megatron.checkpoint.meta import (
     read_meta,
 )
 from gspo_megatron.megatron import checkpointing
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.model_config import ModelConfig
 
 
 def is_hf_dir(path: str | Path) -> bool:

@@ -63,6 +63,9 @@ def build_scoring_engine(
     """A TrainingEngine on `layout` holding the checkpoint's weights (parallel state is
     initialised here). Collective: call on every rank."""
     from gspo_megatron.checkpoint.hf_io import dtype_name, parse_dtype, read_hf_config
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.checkpoint.loading import load_weights, read_model_config
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
@@ -113,7 +116,7 @@ def score(engine, sequences: Sequence[Sequence[int]], batch_size: int = 64) -> l
 
 
 def layout_from_args(args, world_size: int):
-    from gspo_megatron.megatron.layout import ParallelLayout
+    from gspo_megatron.spec.layout import ParallelLayout
 
     return ParallelLayout(
         tp=args.tp,
@@ -151,9 +154,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from gspo_megatron.checkpoint.hf_io import read_hf_config
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.checkpoint.loading import read_model_config
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.layout import LayoutError
+    from gspo_megatron.spec.layout import LayoutError
 
     t0 = time.perf_counter()
     try:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # importing gspo_megatron.megatron loads megatron-core (seconds)
-    from gspo_megatron.megatron.model_config import ModelConfig
+    from gspo_megatron.spec.model_config import ModelConfig
 
 Shape = tuple[int, ...]
 

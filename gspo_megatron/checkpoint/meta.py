@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.model_config import ModelConfig
 
 META_FILE = "gspo_checkpoint.json"
 FORMAT_VERSION = 2

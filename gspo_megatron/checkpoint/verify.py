@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.model_config import ModelConfig
 
 
 def random_sequences(vocab_size: int, count: int, length: int, seed: int) -> torch.Tensor:
@@ -44,10 +44,13 @@ def megatron_logprobs(
     """[b, s-1] log-probs under a one-process megatron model loaded from `megatron_dir`."""
     import torch.distributed as dist
 
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.checkpoint.loading import load_weights
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.layout import ParallelLayout
     from gspo_megatron.megatron.model import build_model_chunks
+    from gspo_megatron.spec.layout import ParallelLayout
 
     started = not dist.is_initialized()
     if not started and dist.get_world_size() != 1:

@@ -25,15 +25,12 @@ class MicroBatch:
     position_ids: torch.Tensor  # [b, s]
     labels: torch.Tensor  # [b, s]
     loss_mask: torch.Tensor  # [b, s] float32, 1 on response labels
-    padding_mask: torch.Tensor  # [b, s] bool, True on padding
     has_label: torch.Tensor  # [b, s] bool, True where a next token exists (t < length - 1)
     advantages: torch.Tensor  # [b] or [b, s] float32
     old_logprobs: torch.Tensor | None = None  # [b, s]
     ref_logprobs: torch.Tensor | None = None
-    rollout_logprobs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # [b, s], or [b] (one weight per sequence)
     routed_experts: torch.Tensor | None = None  # [b, s, layers, top_k] int32 (CP-local)
-    full_length: int = 0  # padded length before the CP split
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +105,6 @@ def build_microbatch(
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((b, seq_len), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(b, seq_len, dtype=torch.float32)
-    padding_mask = torch.ones(b, seq_len, dtype=torch.bool)
     has_label = torch.zeros(b, seq_len, dtype=torch.bool)
     adv = torch.zeros(b, seq_len) if token_advantages else torch.zeros(b)
 
@@ -129,7 +125,6 @@ def build_microbatch(
         n = len(ids)
         tokens[row, :n] = ids
         labels[row, : n - 1] = ids[1:]
-        padding_mask[row, :n] = False
         has_label[row, : n - 1] = True
         start = len(s.prompt_ids) - 1
         if s.loss_mask is None:
@@ -169,15 +164,12 @@ def build_microbatch(
         position_ids=position_ids,
         labels=labels,
         loss_mask=loss_mask,
-        padding_mask=padding_mask,
         has_label=has_label,
         advantages=adv,
         old_logprobs=aligned("old_logprobs"),
         ref_logprobs=aligned("ref_logprobs"),
-        rollout_logprobs=aligned("rollout_logprobs"),
         is_weights=sequence_weights if sequence_weights is not None else aligned("is_weights"),
         routed_experts=routed,
-        full_length=seq_len,
     )
     if cp_size > 1:
         batch = split_for_context_parallel(batch, cp_size, cp_rank)
@@ -219,15 +211,12 @@ def split_for_context_parallel(batch: MicroBatch, cp_size: int, cp_rank: int) ->
         position_ids=take(batch.position_ids),
         labels=take(batch.labels),
         loss_mask=take(batch.loss_mask),
-        padding_mask=take(batch.padding_mask),
         has_label=take(batch.has_label),
         advantages=take(batch.advantages),
         old_logprobs=take(batch.old_logprobs),
         ref_logprobs=take(batch.ref_logprobs),
-        rollout_logprobs=take(batch.rollout_logprobs),
         is_weights=take(batch.is_weights),
         routed_experts=take(batch.routed_experts),
-        full_length=batch.full_length,
     )
 
 

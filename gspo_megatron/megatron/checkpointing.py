@@ -46,7 +46,7 @@ from gspo_megatron.checkpoint.safe_load import (
     read_dcp_metadata,
     verify_checkpoint_safe,
 )
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.model_config import ModelConfig
 
 __all__ = [
     "META_FILE",

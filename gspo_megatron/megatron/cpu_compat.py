@@ -115,6 +115,22 @@ def _after_import(name: str, callback) -> None:
     sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
+class _RefuseBeforeApply(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "megatron.core" and not _applied:
+            raise ImportError(
+                "megatron.core is imported before gspo_megatron.megatron.cpu_compat.apply(): the "
+                "code that starts megatron (entry point, benchmark, test worker) calls it first"
+            )
+        return None
+
+
+def refuse_import_before_apply() -> None:
+    """Make `import megatron.core` before `apply()` an error naming the fix. Idempotent."""
+    if not any(isinstance(finder, _RefuseBeforeApply) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RefuseBeforeApply())
+
+
 # --------------------------------------------------------------------------------------------
 # Before megatron is imported
 

@@ -36,12 +36,12 @@ from gspo_megatron.megatron.batch import (
     plan_microbatches,
     split_for_data_parallel,
 )
-from gspo_megatron.megatron.layout import ParallelLayout
 from gspo_megatron.megatron.logprobs import DEFAULT_CHUNK_BYTES, vocab_parallel_logprobs
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config
-from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.megatron.routing import RouteRecorder
+from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.sample import TrainSample, validate_samples
 
 
@@ -80,9 +80,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         if self.nonfinite not in ("skip", "raise"):
-            raise ValueError(f"engine.nonfinite must be skip or raise, got {self.nonfinite!r}")
+            raise ValueError(f"trainer.nonfinite must be skip or raise, got {self.nonfinite!r}")
         if self.max_tokens_per_microbatch < 1:
-            raise ValueError("engine.max_tokens_per_microbatch must be >= 1")
+            raise ValueError("trainer.max_tokens_per_microbatch must be >= 1")
 
 
 @dataclass
@@ -178,7 +178,7 @@ class TrainingEngine:
         s = self.optim_settings
         dtype = self.config.params_dtype
         if s.name not in ("adam", "sgd"):
-            raise ValueError(f"optimizer.name must be adam or sgd, got {s.name!r}")
+            raise ValueError(f"OptimizerSettings.name must be adam or sgd, got {s.name!r}")
         return OptimizerConfig(
             optimizer=s.name,
             sgd_momentum=0.0,
@@ -304,7 +304,7 @@ class TrainingEngine:
                 seq_sum=cp_sum,
                 seq_share=torch.full((lp.shape[0],), seq_share, device=lp.device),
                 is_weights=mb.is_weights,
-                # Non-finite values are caught once per step (engine.nonfinite), not per call.
+                # Non-finite values are caught once per step (trainer.nonfinite), not per call.
                 check_values=False,
                 **loss.hparams,
                 **extra,
@@ -337,7 +337,7 @@ class TrainingEngine:
             if self.settings.nonfinite == "raise":
                 raise NonFiniteError(
                     f"non-finite loss or gradient at optimizer step {self.steps_done + 1} "
-                    "(engine.nonfinite=raise); set engine.nonfinite=skip to skip such steps"
+                    "(trainer.nonfinite=raise); set trainer.nonfinite=skip to skip such steps"
                 )
             self.optimizer.zero_grad()
             metrics.update(skipped=1.0, grad_norm=float("nan"), lr=self.current_lr())

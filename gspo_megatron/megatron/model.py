@@ -23,8 +23,8 @@ from megatron.core.transformer.transformer_block import (
 from gspo_megatron.device import accelerator, on_accelerator
 from gspo_megatron.megatron.attention import LocalCoreAttention
 from gspo_megatron.megatron.cpu_compat import cuda_available
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.model_config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

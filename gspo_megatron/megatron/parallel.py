@@ -11,7 +11,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from gspo_megatron.megatron.cpu_compat import cuda_available
-from gspo_megatron.megatron.layout import LayoutError, ParallelLayout
+from gspo_megatron.network import free_port
+from gspo_megatron.spec.layout import LayoutError, ParallelLayout
 
 
 def world_size_from_env() -> int:
@@ -31,7 +32,7 @@ def initialize(layout: ParallelLayout, seed: int, *, timeout_s: float = 600.0) -
     if not dist.is_initialized():
         if world == 1 and "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         rank = int(os.environ.get("RANK", "0"))
         if cuda_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -64,11 +65,3 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

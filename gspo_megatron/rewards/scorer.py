@@ -34,7 +34,6 @@ gives reward 0 and is counted; the run goes on. Where a call runs (`executor`):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -47,6 +46,7 @@ from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gspo_megatron.event_loop import LoopThread
 from gspo_megatron.rewards import _protocol
 from gspo_megatron.rewards.base import (
     RewardError,
@@ -104,28 +104,6 @@ class RewardBatch:
             f"{prefix}timeouts": float(self.num_timeouts),
             f"{prefix}time_s": self.elapsed_s,
         }
-
-
-class _LoopThread:
-    """One event loop running in a daemon thread for the scorer's lifetime."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="reward-loop", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Awaitable[Any]) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 class _WorkerDied(Exception):
@@ -318,7 +296,7 @@ class RewardScorer:
         self.executor = self._resolve_executor(executor)
         self._fn_bytes = pickle.dumps(fn) if self.executor == "process" else b""
         self._startup_timeout_s = startup_timeout_s
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._pool: _ProcessPool | None = None
         self._abandoned: set[threading.Thread] = set()
         self._closed = False
@@ -422,7 +400,7 @@ class RewardScorer:
             fut.result(timeout=30)
         except Exception as exc:  # closing must not mask the caller's own error
             logger.warning("closing reward %s: %r", self.name, exc)
-        self._loop.stop()
+        self._loop.close()
         self._loop = None
 
     def __enter__(self) -> RewardScorer:
@@ -448,9 +426,9 @@ class RewardScorer:
         rows = zip(prompts, responses, labels, strict=True)
         return [(i, p, r, lab) for i, (p, r, lab) in enumerate(rows)]
 
-    def _ensure_loop(self) -> _LoopThread:
+    def _ensure_loop(self) -> LoopThread:
         if self._loop is None:
-            self._loop = _LoopThread()
+            self._loop = LoopThread("reward-loop")
         return self._loop
 
     def _get_pool(self) -> _ProcessPool:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from gspo_megatron.checkpoint.loading import sharded_pieces
 from gspo_megatron.checkpoint.mapping import ModelMapping, Shape, TensorMapping, get_mapping
 from gspo_megatron.device import accelerator
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.megatron import cpu_compat
+
+cpu_compat.apply()  # before megatron-core is imported
+
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import ModelConfig
 from gspo_megatron.rollout.engine import WeightSource
 from gspo_megatron.rollout.weight_export import MegatronWeightSource
+from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.sample import TrainSample
 
 CONFIG = ModelConfig(

@@ -20,10 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.megatron import cpu_compat
+
+cpu_compat.apply()  # before megatron-core is imported
+
 from gspo_megatron.checkpoint import logprobs_cli
 from gspo_megatron.checkpoint.loading import read_model_config
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.layout import ParallelLayout
+from gspo_megatron.spec.layout import ParallelLayout
 
 TOL = 1e-5
 

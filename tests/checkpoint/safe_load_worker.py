@@ -15,6 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from gspo_megatron.megatron import cpu_compat
+
+cpu_compat.apply()  # before megatron-core is imported
+
 from gspo_megatron.checkpoint.safe_load import load_weights_only, verify_checkpoint_safe
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.engine import (
@@ -22,9 +26,9 @@ from gspo_megatron.megatron.engine import (
     OptimizerSettings,
     TrainingEngine,
 )
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import load_preset
+from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
 
 ADAM = OptimizerSettings(name="adam", lr=1e-2, warmup_steps=1, decay_steps=10)

@@ -320,7 +320,7 @@ def test_memory_stays_far_below_model_size(tmp_path):
     """A 150 MB model converts both ways with peak RSS growing by a fraction of it."""
     from gspo_megatron.checkpoint.hf_io import ShardedSafetensorsWriter
     from gspo_megatron.checkpoint.mapping import get_mapping
-    from gspo_megatron.megatron.model_config import ModelConfig
+    from gspo_megatron.spec.model_config import ModelConfig
 
     config = {
         "model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256,

@@ -16,7 +16,7 @@ from gspo_megatron.checkpoint.mapping import (
     qkv_to_megatron,
     unexpected_hf_names,
 )
-from gspo_megatron.megatron.model_config import ModelConfig
+from gspo_megatron.spec.model_config import ModelConfig
 
 
 def _cfg(**changes) -> ModelConfig:

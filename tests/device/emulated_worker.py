@@ -30,12 +30,12 @@ from gspo_megatron.megatron.engine import (  # noqa: E402
     OptimizerSettings,
     TrainingEngine,
 )
-from gspo_megatron.megatron.layout import ParallelLayout  # noqa: E402
-from gspo_megatron.megatron.model_config import load_preset  # noqa: E402
 from gspo_megatron.rollout.embedded import EmbeddedEngine  # noqa: E402
 from gspo_megatron.rollout.engine import SamplingParams  # noqa: E402
 from gspo_megatron.rollout.weight_export import MegatronWeightSource  # noqa: E402
+from gspo_megatron.spec.layout import ParallelLayout  # noqa: E402
 from gspo_megatron.spec.loss import LossSettings  # noqa: E402
+from gspo_megatron.spec.model_config import load_preset  # noqa: E402
 from gspo_megatron.spec.sample import TrainSample  # noqa: E402
 
 VOCAB = 48

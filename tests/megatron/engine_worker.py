@@ -24,6 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.megatron import cpu_compat
+
+cpu_compat.apply()  # before megatron-core is imported
+
 from gspo_megatron.algorithms import policy_loss
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.engine import (
@@ -32,9 +36,9 @@ from gspo_megatron.megatron.engine import (
     OptimizerSettings,
     TrainingEngine,
 )
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import load_preset
+from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
 
 VOCAB = 48
@@ -294,7 +298,7 @@ def mode_nonfinite(layout: ParallelLayout) -> None:
         try:
             metrics = engine.train_step(train, LossSettings("gspo"))
         except NonFiniteError as err:
-            check(f"nonfinite_{policy}", 1.0, policy == "raise" and "engine.nonfinite" in str(err))
+            check(f"nonfinite_{policy}", 1.0, policy == "raise" and "trainer.nonfinite" in str(err))
             continue
         untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         check(

@@ -21,15 +21,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.megatron import cpu_compat
+
+cpu_compat.apply()  # before megatron-core is imported
+
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.engine import (
     EngineSettings,
     OptimizerSettings,
     TrainingEngine,
 )
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import load_preset
+from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
 
 LOSSES = {

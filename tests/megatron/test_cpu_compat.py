@@ -9,8 +9,10 @@ from launch import REPO
 
 PROBE = r"""
 import json, sys, torch
-import gspo_megatron.megatron  # applies the shims
-assert "megatron.core" not in sys.modules  # config-only imports stay light
+from gspo_megatron.megatron import cpu_compat
+
+assert "megatron.core" not in sys.modules  # importing the package loads no megatron
+cpu_compat.apply()
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.moe import token_dispatcher

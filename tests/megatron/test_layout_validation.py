@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.megatron.layout import LayoutError, ParallelLayout
+from gspo_megatron.spec.layout import LayoutError, ParallelLayout
 
 MODEL = dict(num_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts=4)
 

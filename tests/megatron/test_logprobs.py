@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gspo_megatron.megatron import cpu_compat
+
+cpu_compat.apply()  # before megatron-core is imported
+
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 
 

@@ -26,9 +26,9 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
-from gspo_megatron.megatron.layout import ParallelLayout  # noqa: E402
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config  # noqa: E402
-from gspo_megatron.megatron.model_config import load_preset  # noqa: E402
+from gspo_megatron.spec.layout import ParallelLayout  # noqa: E402
+from gspo_megatron.spec.model_config import load_preset  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 from launch import REPO, run_worker
 
-from gspo_megatron.megatron.layout import ParallelLayout
-from gspo_megatron.megatron.model_config import PRESET_DIR, load_preset
 from gspo_megatron.memory_plan import (
     PlanError,
     PlanSettings,
@@ -22,6 +20,8 @@ from gspo_megatron.memory_plan import (
     plan,
     stage_params,
 )
+from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.model_config import PRESET_DIR, load_preset
 
 WORKER = Path(__file__).resolve().parent / "count_worker.py"
 PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))

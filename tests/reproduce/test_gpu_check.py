@@ -63,7 +63,7 @@ def test_flop_count_of_moe_1b():
         import gpu_check
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    from gspo_megatron.megatron.model_config import load_preset
+    from gspo_megatron.spec.model_config import load_preset
 
     cfg = load_preset("moe_1b")
     parts = gpu_check.active_matmul_params(cfg)

@@ -23,8 +23,9 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from gspo_megatron import CONF_DIR
 from gspo_megatron.algorithms.losses import POLICY_LOSSES
-from gspo_megatron.train import CONFIG_DIR, _quiet_libraries, run_composed
+from gspo_megatron.train import _quiet_libraries, run_composed
 
 SMALL = [
     "trainer.steps=2",
@@ -72,7 +73,7 @@ def sampling_sweep() -> list[list[str]]:
 
 
 def run_one(overrides: list[str], run_dir: Path) -> dict:
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         raw = OmegaConf.to_container(compose("config", overrides=SMALL + overrides), resolve=True)
     # Each run starts its own one-process group on a fresh port, as a new gspo-train would.
     os.environ.pop("MASTER_ADDR", None)

@@ -11,7 +11,6 @@ import asyncio
 import concurrent.futures
 import logging
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -22,6 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from gspo_megatron.event_loop import LoopThread
+from gspo_megatron.network import free_port
 from gspo_megatron.rollout.engine import RolloutSample, SamplingParams, WeightSource
 from gspo_megatron.rollout.sglang import weight_sync as ws
 from gspo_megatron.rollout.sglang.client import NO_RETRY, RetryPolicy, SGLangClient, normalize_url
@@ -136,30 +137,6 @@ class SGLangEngineConfig:
                     )
 
 
-class _LoopThread:
-    """An asyncio event loop running on a daemon thread; `run(coro)` blocks for its result."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="sglang-client", daemon=True
-        )
-        self._thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return self.submit(coro).result()
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        self.loop.close()
-
-
 async def _gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
     """Like gather, but the first failure cancels the others before it propagates."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -182,12 +159,6 @@ def _failure_reason(f: concurrent.futures.Future) -> str | None:
     if isinstance(ans, dict) and ans.get("success") is True:
         return None
     return str(ans.get("message") if isinstance(ans, dict) else ans)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _routed_shape_from_model(model_path: str) -> tuple[int, int] | None:
@@ -229,7 +200,7 @@ class SGLangEngine:
             else None
         )
         self._servers: list[SGLangServerProcess] = []
-        self._loop = _LoopThread()
+        self._loop = LoopThread("sglang-client")
         self._client = SGLangClient(
             api_key=cfg.api_key,
             request_timeout_s=cfg.request_timeout_s,
@@ -523,7 +494,7 @@ class SGLangEngine:
 
     def _init_group(self, tp: dict[str, int]) -> torch.distributed.ProcessGroup:
         cfg = self.cfg
-        port = cfg.master_port or _free_port()
+        port = cfg.master_port or free_port()
         world = 1 + sum(tp.values())
         offsets, next_rank = {}, 1
         for url in self.urls:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
 
+from gspo_megatron import CONF_DIR
+
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+PRESET_DIR = CONF_DIR / "model"
 
 
 @dataclass(frozen=True)
