@@ -31,10 +31,11 @@ def build_embedded(preset: str, batch_tokens: int, backend: str = "auto"):
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
+    from gspo_megatron.megatron.engine import TrainingEngine
     from gspo_megatron.rollout.embedded import EmbeddedEngine
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.model_config import load_preset
+    from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
     config = load_preset(preset)
     layout = ParallelLayout()

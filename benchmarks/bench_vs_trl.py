@@ -376,15 +376,12 @@ def _engine_losses(hf_dir, prompts, completions, old_lp, advantages, info) -> di
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import (
-        EngineSettings,
-        OptimizerSettings,
-        TrainingEngine,
-    )
+    from gspo_megatron.megatron.engine import TrainingEngine
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
     from gspo_megatron.spec.model_config import ModelConfig
     from gspo_megatron.spec.sample import TrainSample
+    from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
     arch = tiny_moe_architecture()
     fields = {k: v for k, v in arch.items() if k in ModelConfig.__dataclass_fields__}
@@ -464,9 +461,9 @@ def our_overrides(hf_dir: Path, work: Path, seed: int, steps: int) -> list[str]:
         f"algorithm.hparams.clip_high={CLIP_HIGH}",
         f"algorithm.num_minibatches={NUM_MINIBATCHES}",
         f"trainer.steps={steps}",
-        f"trainer.lr={LR}",
-        "trainer.weight_decay=0.0",
-        "trainer.clip_grad=1.0",
+        f"optimizer.lr={LR}",
+        "optimizer.weight_decay=0.0",
+        "optimizer.clip_grad=1.0",
         "trainer.eval_every=0",
         "logging.progress=false",
         "logging.tensorboard=false",
@@ -477,11 +474,8 @@ def our_overrides(hf_dir: Path, work: Path, seed: int, steps: int) -> list[str]:
 def phase_ours(hf_dir: Path, work: Path, seed: int, steps: int, threads: int, tag: str) -> dict:
     """gspo-train's own code path (compose, resolve, build_trainer, train) in this process, so
     that each RL step's CPU time can be read as well as its wall time."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     from gspo_megatron.components import build_trainer
-    from gspo_megatron.config import resolve
+    from gspo_megatron.config import compose, resolve
     from gspo_megatron.megatron import cpu_compat
 
     cpu_compat.apply()  # before megatron-core is imported
@@ -492,11 +486,7 @@ def phase_ours(hf_dir: Path, work: Path, seed: int, steps: int, threads: int, ta
     _set_threads(threads)
     _quiet_libraries()
     run_dir = work / f"ours_run{tag}"
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        composed = compose("config", overrides=our_overrides(hf_dir, work, seed, steps))
-    raw = OmegaConf.to_container(composed, resolve=True)
-    raw.pop("hydra", None)
-    run_cfg, model, layout = resolve(raw, 1)
+    run_cfg, model, layout = resolve(compose(our_overrides(hf_dir, work, seed, steps)), 1)
     check_run_directory(run_dir, run_cfg)
     trainer = build_trainer(run_cfg, model, layout, run_dir)
     cpu_stamps: list[float] = []

@@ -242,17 +242,14 @@ def measure(args: argparse.Namespace, device_name: str) -> tuple[dict, dict]:
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import (
-        EngineSettings,
-        OptimizerSettings,
-        TrainingEngine,
-    )
+    from gspo_megatron.megatron.engine import TrainingEngine
     from gspo_megatron.rollout.embedded import EmbeddedEngine
     from gspo_megatron.rollout.engine import SamplingParams
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
     from gspo_megatron.spec.model_config import load_preset
     from gspo_megatron.spec.sample import TrainSample
+    from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
     cuda = torch.cuda.is_available()
     peak = peak_flops(device_name, args.peak_tflops)

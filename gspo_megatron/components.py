@@ -25,11 +25,11 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     train_data, eval_data = build_datasets(cfg.data, tokenizer)
     check_prompt_ids(train_data, model.vocab_size)
     longest_prompt = max(len(p.prompt_ids) for p in train_data.prompts)
-    if longest_prompt + cfg.rollout.max_new_tokens > cfg.trainer.max_sequence_length:
+    if longest_prompt + cfg.rollout.max_new_tokens > cfg.engine.max_sequence_length:
         raise ConfigError(
             f"the longest prompt ({longest_prompt} tokens) plus rollout.max_new_tokens="
-            f"{cfg.rollout.max_new_tokens} exceeds trainer.max_sequence_length="
-            f"{cfg.trainer.max_sequence_length}"
+            f"{cfg.rollout.max_new_tokens} exceeds engine.max_sequence_length="
+            f"{cfg.engine.max_sequence_length}"
         )
     _warn_about_memory(cfg, model, layout)
     parallel.initialize(layout, seed=cfg.seed)
@@ -89,35 +89,16 @@ def load_run_tokenizer(cfg: RunConfig):
 
 
 def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout):
-    from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
+    from gspo_megatron.megatron.engine import TrainingEngine
 
-    t = cfg.trainer
     engine = TrainingEngine(
         model,
         layout,
-        EngineSettings(
-            max_sequence_length=t.max_sequence_length,
-            max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-            nonfinite=t.nonfinite,
-            recompute=t.recompute_activations,
-            moe_aux_loss=cfg.algorithm.moe_aux_loss,
-            moe_aux_loss_coef=cfg.algorithm.moe_aux_loss_coef,
-        ),
-        OptimizerSettings(
-            lr=t.lr,
-            min_lr=t.min_lr,
-            weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2,
-            adam_eps=t.adam_eps,
-            clip_grad=t.clip_grad,
-            warmup_steps=t.warmup_steps,
-            decay_steps=t.steps * cfg.algorithm.num_minibatches
-            if t.decay_style != "constant"
-            else None,
-            decay_style=t.decay_style,
-            distributed_optimizer=t.distributed_optimizer,
-        ),
+        cfg.engine,
+        cfg.optimizer,
+        decay_steps=cfg.decay_steps,
+        moe_aux_loss=cfg.algorithm.moe_aux_loss,
+        moe_aux_loss_coef=cfg.algorithm.moe_aux_loss_coef,
     )
     if cfg.model.init_from:
         init_weights(engine, cfg.model.init_from)

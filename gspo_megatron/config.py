@@ -1,9 +1,11 @@
-"""The run configuration: one typed section per Hydra config group, validated before any work.
+"""The run configuration: these dataclasses are the one definition of every setting, its
+default and its allowed values, validated before any work.
 
-Hydra composes conf/config.yaml (groups model/ algorithm/ parallel/ rollout/ data/ reward/
-trainer/ logging/); `resolve()` turns the composed config into these dataclasses, refusing
-unknown keys with their full path, checking every value, and deriving the few values that
-depend on several sections in one place. Nothing here imports megatron.
+They are Hydra's schema (`register_schema`: conf/config.yaml starts from it); the preset files of
+the groups model/ algorithm/ parallel/ rollout/ data/ reward/ hold only what a preset changes.
+`resolve()` turns the composed config into these dataclasses, refusing unknown keys with their
+full path, checking every value, and deriving the values that depend on several sections, in
+one place. Nothing here imports megatron.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo_megatron.config_fields import bounded, check_ranges
+from gspo_megatron import CONF_DIR
+from gspo_megatron.config_fields import bounded, check_fields, choice
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.rewards.registry import RewardConfig
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 
 class ConfigError(ValueError):
@@ -88,25 +92,25 @@ class AlgorithmSection:
 
     loss: str = "gspo"
     hparams: dict[str, Any] = field(default_factory=dict)
-    advantage: str | None = None
+    advantage: str | None = choice(None, "group_mean_std", "group_mean")
     advantage_eps: float = bounded(1e-6, ge=0)
     num_minibatches: int = bounded(4, ge=1)
-    old_logprobs: str = "recompute"
-    routing_replay: str = "off"
-    dynamic_sampling: str = "none"
+    old_logprobs: str = choice("recompute", "rollout")
+    routing_replay: str = choice("off", "r2", "r3")
+    dynamic_sampling: str = choice("none", "dapo", "dupo")
     max_refill_rounds: int = bounded(4, ge=0)
     prefilter_solved_prompts: bool = False
     overlong_filter: bool = False
     overlong_penalty_length: int = bounded(0, ge=0)
     overlong_penalty_cache: int = bounded(0, ge=0)
-    mismatch: str = "none"
-    mismatch_level: str = "token"
+    mismatch: str = choice("none", "tis", "mis")
+    mismatch_level: str = choice("token", "sequence", "geometric")
     mismatch_cap: float = bounded(2.0, gt=0)
     mismatch_lower: float = bounded(0.5, ge=0)
     mismatch_upper: float = bounded(2.0, gt=0)
     kl_coef: float = bounded(0.0, ge=0)
-    kl_estimator: str = "k3"
-    moe_aux_loss: str = "none"
+    kl_estimator: str = choice("k3", "k1", "k2", "low_var_kl")
+    moe_aux_loss: str = choice("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
     moe_aux_loss_coef: float = bounded(0.0, ge=0)
 
     def loss_hparams(self, max_new_tokens: int) -> dict[str, Any]:
@@ -127,7 +131,7 @@ class RolloutSection:
     arguments of gspo_megatron.rollout.sglang.SGLangEngineConfig.
     """
 
-    engine: str = "embedded"
+    engine: str = choice("embedded", "sglang")
     prompts_per_step: int = bounded(8, ge=1)
     group_size: int = bounded(16, ge=2)
     temperature: float = bounded(1.0, ge=0)
@@ -143,12 +147,9 @@ class RolloutSection:
 
 @dataclass
 class TrainerSection:
-    """`trainer/`: steps, optimizer, batching, schedule of evaluation and checkpoints.
+    """`trainer`: the run's length and its schedule of evaluation and checkpoints.
 
-    steps: RL steps (each = one rollout batch and num_minibatches optimizer steps).
-    max_sequence_length: prompt + response tokens; longer samples are an error.
-    max_tokens_per_microbatch: padded tokens per micro-batch.
-    lr ... decay_style: Adam with megatron's distributed optimizer (distributed_optimizer).
+    steps: RL steps (each = one rollout batch and algorithm.num_minibatches optimizer steps).
     eval_every: in RL steps (0 = never). save_every / save_every_minutes: a checkpoint every
     N RL steps or T minutes, whichever comes first (0 turns either off); one is always written
     at the end and on SIGTERM/SIGINT. keep_last: intact checkpoints kept (older ones are
@@ -156,35 +157,21 @@ class TrainerSection:
     validates on every rank; a directory whose checkpoints all fail is an error) | never (a
     fresh start, refused in a directory holding checkpoints) | a checkpoint path.
     allow_different_config: resume a run directory whose saved config differs.
-    nonfinite: skip | raise, for a non-finite loss or gradient; with skip, the run stops after
-    max_consecutive_skipped_steps skipped optimizer steps in a row.
+    max_consecutive_skipped_steps: with engine.nonfinite=skip, the run stops after this many
+    skipped optimizer steps in a row.
     peer_timeout_s: a rank whose heartbeat stops this long is declared gone, and every rank
     exits with a message instead of waiting in a collective (gspo_megatron/peers.py).
     """
 
     steps: int = bounded(800, ge=1)
-    max_sequence_length: int = bounded(64, ge=2)
-    max_tokens_per_microbatch: int = bounded(4096, ge=1)
-    lr: float = bounded(3e-4, gt=0)
-    min_lr: float = bounded(0.0, ge=0)
-    weight_decay: float = bounded(0.0, ge=0)
-    adam_beta1: float = bounded(0.9, ge=0, lt=1)
-    adam_beta2: float = bounded(0.999, ge=0, lt=1)
-    adam_eps: float = bounded(1e-8, gt=0)
-    clip_grad: float = bounded(1.0, ge=0)
-    warmup_steps: int = bounded(0, ge=0)
-    decay_style: str = "constant"
-    distributed_optimizer: bool = True
     eval_every: int = bounded(10, ge=0)
     save_every: int = bounded(100, ge=0)
     save_every_minutes: float = bounded(30.0, ge=0)
     keep_last: int = bounded(2, ge=1)
     resume: str = "auto"
     allow_different_config: bool = False
-    nonfinite: str = "skip"
     max_consecutive_skipped_steps: int = bounded(16, ge=1)
     peer_timeout_s: float = bounded(60.0, gt=0)
-    recompute_activations: bool = False
 
 
 @dataclass
@@ -202,6 +189,9 @@ class LoggingSection:
 
 @dataclass
 class RunConfig:
+    """The whole run. seed: changes every random choice of the run (initialisation, data order,
+    sampling)."""
+
     seed: int = bounded(0, ge=0)
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -210,30 +200,84 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
+    @property
+    def decay_steps(self) -> int | None:
+        """Optimizer steps the learning rate decays over: the whole run, unless it is constant."""
+        if self.optimizer.decay_style == "constant":
+            return None
+        return self.trainer.steps * self.algorithm.num_minibatches
 
-_CHOICES = {
-    "algorithm.old_logprobs": ("recompute", "rollout"),
-    "algorithm.routing_replay": ("off", "r2", "r3"),
-    "algorithm.dynamic_sampling": ("none", "dapo", "dupo"),
-    "algorithm.mismatch": ("none", "tis", "mis"),
-    "algorithm.mismatch_level": ("token", "sequence", "geometric"),
-    "algorithm.kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
-    "algorithm.moe_aux_loss": ("none", "aux_loss", "seq_aux_loss", "global_aux_loss"),
-    "rollout.engine": ("embedded", "sglang"),
-    "trainer.nonfinite": ("skip", "raise"),
-    "trainer.decay_style": ("constant", "linear", "cosine"),
-}
+
 _MODEL_EXTRA_KEYS = {"name", "init_from", "tokenizer"}
-# Keys that moved: the old name -> the message that names the new one.
-_MOVED_KEYS = {
+# Keys of earlier versions: the old key -> what replaces it.
+_RENAMED = {
+    **{f"trainer.{name}": f"optimizer.{name}" for name in (
+        "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+        "warmup_steps", "decay_style", "distributed_optimizer")},
+    **{f"trainer.{name}": f"engine.{name}" for name in (
+        "max_sequence_length", "max_tokens_per_microbatch", "nonfinite", "recompute_activations")},
+}  # fmt: skip
+_REMOVED = {
     "model.router_aux_loss_coef": "the MoE load-balancing loss of RL training is "
     "algorithm.moe_aux_loss (none | aux_loss | seq_aux_loss | global_aux_loss) with "
     "algorithm.moe_aux_loss_coef",
     "rollout.weight_sync_bucket_mb": "it was never read; the bucket size of weight updates to "
     "SGLang is rollout.sglang.bucket_bytes",
 }
+
+
+def old_key_message(key: str) -> str | None:
+    """What to use instead of `key` when it is a key of an earlier version, else None."""
+    if key in _RENAMED:
+        return f"{key} is now {_RENAMED[key]}"
+    if key in _REMOVED:
+        return f"{key} is no longer a setting: {_REMOVED[key]}"
+    return None
+
+
+def register_schema() -> None:
+    """Store these dataclasses in Hydra's ConfigStore as `gspo_config`, the node conf/config.yaml
+    starts from (call before composing). The model section is a plain mapping there: its keys
+    are a preset's ModelConfig fields, checked by `resolve`."""
+    from hydra.core.config_store import ConfigStore
+
+    hints = typing.get_type_hints(RunConfig)
+    fields = [
+        (f.name, dict[str, Any], field(default_factory=dict))
+        if f.name == "model"
+        else (f.name, hints[f.name], f)
+        for f in dataclasses.fields(RunConfig)
+    ]
+    schema = dataclasses.make_dataclass("GspoConfig", fields)
+    ConfigStore.instance().store(name="gspo_config", node=schema)
+
+
+def compose(overrides: list[str]) -> dict[str, Any]:
+    """The config `gspo-train OVERRIDES` composes, as a plain dict (hydra.* overrides are left
+    out). Old keys on the command line are refused with their new names."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    check_overrides(overrides)
+    register_schema()
+    own = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=own)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse command-line overrides of keys of earlier versions, naming the new key (before
+    Hydra, whose own error names only the old one)."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if message := old_key_message(key):
+            raise ConfigError(message)
 
 
 def resolve(
@@ -246,10 +290,11 @@ def resolve(
     raw = dict(raw)
     raw.pop("hydra", None)
     model_raw = dict(raw.pop("model", {}) or {})
-    for key, message in _MOVED_KEYS.items():
+    sections = {**raw, "model": model_raw}
+    for key in [*_RENAMED, *_REMOVED]:
         section, name = key.split(".", 1)
-        if name in (model_raw if section == "model" else raw.get(section) or {}):
-            raise ConfigError(f"{key} is no longer a setting: {message}")
+        if isinstance(sections.get(section), dict) and name in sections[section]:
+            raise ConfigError(old_key_message(key))
     architecture = {k: v for k, v in model_raw.items() if k not in _MODEL_EXTRA_KEYS}
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(architecture) - model_fields)
@@ -258,7 +303,7 @@ def resolve(
     section = {k: v for k, v in model_raw.items() if k in _MODEL_EXTRA_KEYS}
     cfg = _build(RunConfig, raw, "")
     cfg.model = ModelSection(**section, architecture=architecture)
-    problems = check_ranges(cfg, "")
+    problems = check_fields(cfg, "")
     if problems:
         raise ConfigError(
             problems[0] + (f" (and {len(problems) - 1} more)" if problems[1:] else "")
@@ -272,7 +317,7 @@ def resolve(
             num_key_value_heads=model.num_key_value_heads,
             num_experts=model.num_experts if model.is_moe else None,
         )
-        layout.check_sequence_length(cfg.trainer.max_sequence_length)
+        layout.check_sequence_length(cfg.engine.max_sequence_length)
         cfg.data.validate()
         cfg.reward.validate()
     except ConfigError:
@@ -304,23 +349,13 @@ def missing_paths(cfg: RunConfig) -> list[str]:
 def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
     from gspo_megatron.algorithms.losses import POLICY_LOSSES
 
-    for path, choices in _CHOICES.items():
-        section, key = path.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if value not in choices:
-            raise ConfigError(f"{path}={value!r} is not one of {list(choices)}")
-    alg, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
+    alg, rollout, trainer, optimizer = cfg.algorithm, cfg.rollout, cfg.trainer, cfg.optimizer
     if alg.loss not in POLICY_LOSSES:
         raise ConfigError(f"algorithm.loss={alg.loss!r} is not one of {sorted(POLICY_LOSSES)}")
     try:
         POLICY_LOSSES[alg.loss].resolve_hparams(alg.loss_hparams(rollout.max_new_tokens))
     except ValueError as err:
         raise ConfigError(f"algorithm.hparams: {err}") from err
-    if alg.advantage not in (None, "group_mean_std", "group_mean"):
-        raise ConfigError(
-            f"algorithm.advantage={alg.advantage!r}: use group_mean_std, "
-            "group_mean or null (the loss's own)"
-        )
     samples = rollout.prompts_per_step * rollout.group_size
     if samples % alg.num_minibatches:
         raise ConfigError(
@@ -343,9 +378,9 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             "algorithm.routing_replay=r3 with SGLang needs "
             "rollout.sglang.return_routed_experts=true"
         )
-    if trainer.min_lr > trainer.lr:
+    if optimizer.min_lr > optimizer.lr:
         raise ConfigError(
-            f"trainer.min_lr={trainer.min_lr:g} must not exceed trainer.lr={trainer.lr:g}"
+            f"optimizer.min_lr={optimizer.min_lr:g} must not exceed optimizer.lr={optimizer.lr:g}"
         )
     if alg.mismatch_lower >= alg.mismatch_upper:
         raise ConfigError(
@@ -359,7 +394,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         alg.overlong_penalty_length
     ):
         raise ConfigError(
-            "algorithm.overlong_penalty_cache must be in (0, overlong_penalty_length]"
+            "algorithm.overlong_penalty_cache must be in (0, algorithm.overlong_penalty_length]"
         )
 
 

@@ -1,8 +1,9 @@
-"""Numeric config fields with their allowed range, declared once with the field and checked
-before any work (`check_ranges`), each error naming the key path.
+"""Config fields with their allowed values, declared once with the field and checked before any
+work (`check_fields`), each error naming the key path.
 
     lr: float = bounded(3e-4, gt=0)
     top_p: float = bounded(1.0, gt=0, le=1)
+    nonfinite: str = choice("skip", "raise")  # the first is the default
 
 Pure: no import beyond the standard library, so every config section can use it.
 """
@@ -31,6 +32,11 @@ def bounded(
     )
 
 
+def choice(*values: Any) -> Any:
+    """A dataclass field that must be one of `values`; the first is the default."""
+    return dataclasses.field(default=values[0], metadata={"choices": values})
+
+
 def range_text(metadata: dict[str, Any]) -> str:
     ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
     parts = [f"{ops[k]} {v:g}" for k, v in metadata["range"].items() if v is not None]
@@ -56,16 +62,27 @@ def range_problem(value: Any, metadata: dict[str, Any]) -> str | None:
     return None if ok else f"must be {range_text(metadata)}, got {value!r}"
 
 
-def check_ranges(obj: Any, prefix: str) -> list[str]:
-    """'<key> must be ...' for every bounded field of `obj` and its nested dataclasses."""
+def check_fields(obj: Any, prefix: str) -> list[str]:
+    """'<key> ...' for every field of `obj` (and its nested dataclasses) outside its range or
+    choices."""
     problems = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         key = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(value):
-            problems += check_ranges(value, key)
+            problems += check_fields(value, key)
         elif "range" in f.metadata:
             problem = range_problem(value, f.metadata)
             if problem:
                 problems.append(f"{key} {problem}")
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            problems.append(f"{key}={value!r} is not one of {list(f.metadata['choices'])}")
     return problems
+
+
+def raise_on_problems(obj: Any, prefix: str, error: type[Exception] = ValueError) -> None:
+    """`check_fields`, raising `error` with the first problem (and how many more there are)."""
+    problems = check_fields(obj, prefix)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if problems[1:] else ""
+        raise error(problems[0] + more)

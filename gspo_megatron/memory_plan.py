@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo_megatron import CONF_DIR
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
 
@@ -38,14 +37,14 @@ Assumptions of the estimate (parameters are exact; the rest is an estimate):
   output (flash attention: no T^2 term), router logits and probabilities in float32, and for the
   routed token copies (top-k) the expert input, gate/up output, SwiGLU output and expert output
   (routing assumed balanced, times --moe-imbalance). Context parallelism adds the gathered K/V.
-- Full recomputation (trainer.recompute_activations) keeps only each layer's input per
+- Full recomputation (engine.recompute_activations) keeps only each layer's input per
   micro-batch plus one layer's activations while it is recomputed.
 - Pipeline: a stage holds the activations of its in-flight micro-batches, megatron's warm-up
   count + 1: pp - stage for 1F1B, 2*(pp - stage - 1) + (vpp - 1)*pp + 1 model chunks when
   interleaved, capped by the micro-batches of one optimizer step. The last stage adds the logits
   and their gradient ([T, vocab/tp] each) and 0.25 GiB of float32 log-prob chunks.
-- Micro-batch tokens = min(trainer.max_tokens_per_microbatch, the tokens one DP rank trains on
-  per optimizer step, at trainer.max_sequence_length per response).
+- Micro-batch tokens = min(engine.max_tokens_per_microbatch, the tokens one DP rank trains on
+  per optimizer step, at engine.max_sequence_length per response).
 - Rollout, colocated: the embedded engine adds a KV cache of rollout.max_batch_tokens slots for
   this stage's layers plus one layer's prefill activations while generating (its cache is freed
   before training). Colocated SGLang servers hold mem_fraction_static of the GPU while generating
@@ -360,7 +359,7 @@ class MemoryPlan:
                 "(parallel.tp)"
             )
             if not s.distributed_optimizer:
-                tip += ", or shard the optimizer state: trainer.distributed_optimizer=true"
+                tip += ", or shard the optimizer state: optimizer.distributed_optimizer=true"
             if w.reference:
                 tip += (
                     f"; the KL reference's weights take {w.reference:.1f} GiB of it "
@@ -369,9 +368,9 @@ class MemoryPlan:
             return tip
         tips = []
         if not s.recompute and w.activations_full > w.activations_recompute:
-            tips.append("trainer.recompute_activations=true")
+            tips.append("engine.recompute_activations=true")
         if w.activations > 1:
-            tips.append("a smaller trainer.max_tokens_per_microbatch")
+            tips.append("a smaller engine.max_tokens_per_microbatch")
         if s.rollout.mode == "sglang":
             tips.append(
                 f"a colocated SGLang mem_fraction_static <= {self.max_sglang_fraction:.2f} "
@@ -496,18 +495,6 @@ def _count(n: int) -> str:
 # -- from the run configuration ------------------------------------------------------------------
 
 
-def compose(overrides: list[str]) -> dict[str, Any]:
-    """The config `gspo-train OVERRIDES` composes (hydra.* overrides are left out)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    own = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=own)
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 def settings_from_config(
     run_cfg: Any,
     model: ModelConfig,
@@ -519,17 +506,17 @@ def settings_from_config(
     overhead_gib: float = 3.0,
 ) -> PlanSettings:
     """PlanSettings for a resolved RunConfig (gspo_megatron.config.resolve)."""
-    trainer, rollout, alg = run_cfg.trainer, run_cfg.rollout, run_cfg.algorithm
+    engine, rollout, alg = run_cfg.engine, run_cfg.rollout, run_cfg.algorithm
     responses = rollout.prompts_per_step * rollout.group_size
     per_rank = max(1, responses // alg.num_minibatches // layout.dp)
-    step_tokens = per_rank * trainer.max_sequence_length
-    tokens = min(trainer.max_tokens_per_microbatch, step_tokens)
-    microbatches = max(1, math.ceil(step_tokens / trainer.max_tokens_per_microbatch))
+    step_tokens = per_rank * engine.max_sequence_length
+    tokens = min(engine.max_tokens_per_microbatch, step_tokens)
+    microbatches = max(1, math.ceil(step_tokens / engine.max_tokens_per_microbatch))
     return PlanSettings(
         micro_batch_tokens=tokens,
         microbatches=microbatches,
-        distributed_optimizer=trainer.distributed_optimizer,
-        recompute=trainer.recompute_activations if recompute is None else recompute,
+        distributed_optimizer=run_cfg.optimizer.distributed_optimizer,
+        recompute=engine.recompute_activations if recompute is None else recompute,
         gpu_memory_gib=gpu_memory_gib,
         rollout=rollout_share_from_config(rollout),
         moe_imbalance=moe_imbalance,

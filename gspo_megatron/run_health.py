@@ -40,7 +40,7 @@ class RunHealth:
             return HealthVerdict(
                 RunHealthError(
                     f"{self.skipped_in_a_row} optimizer steps in a row were skipped for a "
-                    "non-finite loss or gradient (trainer.nonfinite=skip, "
+                    "non-finite loss or gradient (engine.nonfinite=skip, "
                     f"trainer.max_consecutive_skipped_steps={self.max_skipped}); the weights "
                     "have not changed since; see actor/grad_norm in metrics.jsonl"
                 ),

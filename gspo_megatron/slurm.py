@@ -246,8 +246,8 @@ def preflight(
     memory_check: bool = True,
 ) -> Preflight:
     """Compose + validate the config for nodes x gpus_per_node ranks; plan memory; check paths."""
-    from gspo_megatron.config import ConfigError, missing_paths, resolve
-    from gspo_megatron.memory_plan import PlanError, compose, plan, settings_from_config
+    from gspo_megatron.config import ConfigError, compose, missing_paths, resolve
+    from gspo_megatron.memory_plan import PlanError, plan, settings_from_config
 
     world = nodes * gpus_per_node
     lines = [f"allocation: {nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks"]

@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_megatron import CONF_DIR
-from gspo_megatron.config import ConfigError, resolve
+from gspo_megatron.config import ConfigError, check_overrides, register_schema, resolve
 from gspo_megatron.data.dataset import DataError
 from gspo_megatron.data.vocab import VocabMismatchError
 
@@ -106,6 +106,11 @@ def _fail(err: BaseException, run_dir: Path, *, traceback: bool = True) -> None:
 
 
 def main() -> None:
+    register_schema()
+    try:
+        check_overrides(sys.argv[1:])
+    except ConfigError as err:
+        sys.exit(f"gspo-train: config error: {err}")
     run()
 
 

@@ -1,6 +1,6 @@
-"""The RL loop (DESIGN.md §2): generate -> score -> advantages -> old log-probs -> train ->
-sync weights -> log, evaluate, checkpoint. Every rank runs this loop; collectives happen inside
-the training and rollout engines, and rank 0 scores, logs and writes files.
+"""The RL loop (docs/ARCHITECTURE.md §3): generate -> score -> advantages -> old log-probs ->
+train -> sync weights -> log, evaluate, checkpoint. Every rank runs this loop; collectives happen
+inside the training and rollout engines, and rank 0 scores, logs and writes files.
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ import numpy as np
 import torch
 
 from gspo_megatron.algorithms import (
+    ADVANTAGE_ESTIMATORS,
     correct_mismatch,
     dapo_keep_indices,
     dupo_fill_indices,
-    group_advantages,
+    finalize_metrics,
+    overlong_filter_mask,
     prefilter_solved_prompts,
+    rollout_metrics,
     soft_overlong_penalty,
 )
 from gspo_megatron.algorithms.losses import get_policy_loss
@@ -247,31 +250,36 @@ class Trainer:
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         alg = self.cfg.algorithm
         estimator = alg.advantage or get_policy_loss(alg.loss).advantage_estimator
-        return group_advantages(
-            rewards, normalize_std=estimator == "group_mean_std", eps=alg.advantage_eps
-        )
+        return ADVANTAGE_ESTIMATORS[estimator](rewards, eps=alg.advantage_eps)
 
     def prepare_training_inputs(self, batch: RolloutBatch) -> None:
         """TrainSamples with old (and reference) log-probs, routes, masks and IS weights."""
         alg = self.cfg.algorithm
-        samples = []
-        for group, advs in zip(batch.groups, batch.advantages, strict=True):
-            for sample, adv in zip(group, advs.tolist(), strict=True):
-                mask = None
-                if alg.overlong_filter and sample.finish_reason == "length":
-                    mask = [0.0] * len(sample.response_ids)
-                samples.append(
-                    TrainSample(
-                        prompt_ids=list(sample.prompt_ids),
-                        response_ids=list(sample.response_ids),
-                        advantage=adv,
-                        rollout_logprobs=list(sample.logprobs),
-                        loss_mask=mask,
-                        routed_experts=sample.routed_experts
-                        if alg.routing_replay == "r3"
-                        else None,
-                    )
-                )
+        flat = batch.flat()
+        masks = [None] * len(flat)
+        if alg.overlong_filter:
+            lengths = [len(s.response_ids) for s in flat]
+            response = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+            truncated = torch.tensor([s.finish_reason == "length" for s in flat])
+            kept = overlong_filter_mask(response, truncated)
+            # Rows of responses that keep every token stay None (all 1).
+            masks = [
+                row[:n].float().tolist() if cut else None
+                for row, cut, n in zip(kept, truncated.tolist(), lengths, strict=True)
+            ]
+        samples = [
+            TrainSample(
+                prompt_ids=list(sample.prompt_ids),
+                response_ids=list(sample.response_ids),
+                advantage=adv,
+                rollout_logprobs=list(sample.logprobs),
+                loss_mask=mask,
+                routed_experts=sample.routed_experts if alg.routing_replay == "r3" else None,
+            )
+            for sample, adv, mask in zip(
+                flat, batch.advantages.flatten().tolist(), masks, strict=True
+            )
+        ]
         moe = self.engine.model_config.is_moe
         recompute = alg.old_logprobs == "recompute"
         # Routes are recorded for R2, and for the route metrics when the forward runs anyway;
@@ -329,11 +337,8 @@ class Trainer:
                 if weights.dim() == 2
                 else float(weights[i])
             )
-        sums = {k: float(v) for k, v in correction.metric_sums.items()}
-        for key in [k for k in sums if k.endswith("/sum")]:
-            count = sums.get(key.replace("/sum", "/count"))
-            if count:
-                batch.stats[f"mismatch/{key[:-4]}"] = sums[key] / count
+        for name, value in finalize_metrics(correction.metric_sums).items():
+            batch.stats[f"mismatch/{name}"] = value
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """num_minibatches optimizer steps over the shuffled rollout batch.
@@ -513,20 +518,14 @@ def _concat(a: RolloutBatch, b: RolloutBatch) -> RolloutBatch:
 
 def _generation_metrics(generated: Sequence[RolloutBatch]) -> dict[str, float]:
     """Rewards and lengths of everything generated this step (before any filtering)."""
-    rewards = torch.cat([b.rewards for b in generated])
     flat = [s for b in generated for s in b.flat()]
-    lengths = np.array([len(s.response_ids) for s in flat], dtype=np.float64)
     return {
         "reward/failed_fraction": sum(b.failed_rewards for b in generated) / max(len(flat), 1),
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "reward/accuracy": float((rewards >= 1.0).float().mean()),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/tokens": float(lengths.sum()),
-        "response/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in flat])),
-        "sampling/groups_generated": float(rewards.shape[0]),
-        "sampling/groups_zero_variance": float(((rewards.amax(1) - rewards.amin(1)) == 0).sum()),
+        **rollout_metrics(
+            torch.cat([b.rewards for b in generated]),
+            torch.tensor([len(s.response_ids) for s in flat]),
+            torch.tensor([s.finish_reason == "length" for s in flat]),
+        ),
     }
 
 

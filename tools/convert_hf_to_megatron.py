@@ -32,24 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="writer threads (files)")
     args = parser.parse_args(argv)
 
-    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron, report_outcome
-    from gspo_megatron.checkpoint.mapping import ConversionError
-    from gspo_megatron.checkpoint.meta import CheckpointError
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron, run_conversion_tool
 
-    try:
-        report = convert_hf_to_megatron(
-            args.hf_path,
-            args.output,
-            dtype=args.dtype,
-            overwrite=args.overwrite,
-            verify=args.verify,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            threads=args.threads,
-        )
-    except (ConversionError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return report_outcome(report, args.verify_tol)
+    return run_conversion_tool(
+        convert_hf_to_megatron,
+        args.verify_tol,
+        hf_dir=args.hf_path,
+        output=args.output,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+        verify=args.verify,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        threads=args.threads,
+    )
 
 
 if __name__ == "__main__":

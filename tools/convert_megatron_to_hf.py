@@ -42,25 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0)
     args = parser.parse_args(argv)
 
-    from gspo_megatron.checkpoint.convert import convert_megatron_to_hf, report_outcome
-    from gspo_megatron.checkpoint.mapping import ConversionError
-    from gspo_megatron.checkpoint.meta import CheckpointError
+    from gspo_megatron.checkpoint.convert import convert_megatron_to_hf, run_conversion_tool
 
-    try:
-        report = convert_megatron_to_hf(
-            args.megatron_path,
-            args.output,
-            dtype=args.dtype,
-            tokenizer=args.tokenizer,
-            hf_config=args.hf_config,
-            overwrite=args.overwrite,
-            verify=args.verify,
-            max_shard_bytes=int(args.max_shard_size_gb * 1e9),
-        )
-    except (ConversionError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return report_outcome(report, args.verify_tol)
+    return run_conversion_tool(
+        convert_megatron_to_hf,
+        args.verify_tol,
+        megatron_dir=args.megatron_path,
+        output=args.output,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        hf_config=args.hf_config,
+        overwrite=args.overwrite,
+        verify=args.verify,
+        max_shard_bytes=int(args.max_shard_size_gb * 1e9),
+    )
 
 
 if __name__ == "__main__":

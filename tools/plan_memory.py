@@ -2,8 +2,8 @@
 
     python tools/plan_memory.py --nodes 2 --gpus-per-node 8 --gpu-memory-gib 79.6 \\
         model=qwen3_30b_a3b parallel.tp=2 parallel.pp=2 parallel.ep=8 \\
-        parallel.sequence_parallel=true trainer.max_sequence_length=9216 \\
-        trainer.max_tokens_per_microbatch=18432 trainer.recompute_activations=true
+        parallel.sequence_parallel=true engine.max_sequence_length=9216 \\
+        engine.max_tokens_per_microbatch=18432 engine.recompute_activations=true
 
 Prints, for each pipeline stage (every rank of a stage holds the same), the parameters and the
 GiB of weights, gradients, optimizer state, activations without and with recomputation, the
@@ -21,12 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo_megatron.config import ConfigError, resolve  # noqa: E402
+from gspo_megatron.config import ConfigError, compose, resolve  # noqa: E402
 from gspo_megatron.memory_plan import (  # noqa: E402
     ASSUMPTIONS,
     PlanError,
     active_params,
-    compose,
     model_params,
     plan,
     settings_from_config,
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         default=None,
         help="plan with full activation recomputation (default: the config's "
-        "trainer.recompute_activations)",
+        "engine.recompute_activations)",
     )
     rc.add_argument("--no-recompute", dest="recompute", action="store_false")
     p.add_argument(

@@ -1,7 +1,7 @@
 """Policy losses of the GSPO family, each written as per-item terms over a global denominator.
 
-Notation (DESIGN.md §3): response i has tokens t with mask m_it, new log-probs l_it, old log-probs
-o_it, advantage A_i ([B]) or A_it ([B, T]); |y_i| = Σ_t m_it. Every loss is
+Notation (docs/ALGORITHMS.md): response i has tokens t with mask m_it, new log-probs l_it, old
+log-probs o_it, advantage A_i ([B]) or A_it ([B, T]); |y_i| = Σ_t m_it. Every loss is
 
     L = (Σ over items of term) / D,   D = number of sequences N, or number of response tokens,
 

@@ -81,7 +81,8 @@ def rollout_metrics(
     *,
     solved_reward: float = 1.0,
 ) -> dict[str, float]:
-    """Batch statistics of one rollout step, as plain floats.
+    """Batch statistics of one rollout step, as plain floats named as the trainer logs them
+    (`reward/`, `response/`, `sampling/`).
 
     Args:
         rewards: [num_groups, G] rewards, one row per prompt.
@@ -98,22 +99,25 @@ def rollout_metrics(
     spread = r.amax(dim=1) - r.amin(dim=1)
     solved = r >= solved_reward
     out = {
-        "reward_mean": r.mean().item(),
-        "reward_std": r.std(correction=0).item(),
-        "zero_variance_group_fraction": (spread == 0).double().mean().item(),
-        "solved_all_fraction": solved.all(dim=1).double().mean().item(),
-        "solved_none_fraction": (~solved).all(dim=1).double().mean().item(),
+        "reward/mean": r.mean().item(),
+        "reward/std": r.std().item() if r.numel() > 1 else 0.0,
+        "reward/accuracy": solved.double().mean().item(),
+        "reward/solved_all_fraction": solved.all(dim=1).double().mean().item(),
+        "reward/solved_none_fraction": (~solved).all(dim=1).double().mean().item(),
+        "sampling/groups_generated": float(r.shape[0]),
+        "sampling/groups_zero_variance": float((spread == 0).sum().item()),
     }
     if response_lengths is not None:
         lengths = require_tensor("response_lengths", response_lengths).reshape(-1).double()
         require_shape("response_lengths", lengths, [r.numel()], "one length per rollout")
         out |= {
-            "response_length_mean": lengths.mean().item(),
-            "response_length_max": lengths.max().item(),
-            "response_length_min": lengths.min().item(),
+            "response/length_mean": lengths.mean().item(),
+            "response/length_max": lengths.max().item(),
+            "response/length_min": lengths.min().item(),
+            "response/tokens": lengths.sum().item(),
         }
     if truncated is not None:
         flags = require_tensor("truncated", truncated).reshape(-1)
         require_shape("truncated", flags, [r.numel()], "one flag per rollout")
-        out["truncated_fraction"] = flags.double().mean().item()
+        out["response/truncated_fraction"] = flags.double().mean().item()
     return out

@@ -47,6 +47,7 @@ from gspo_megatron.checkpoint.mapping import (
 )
 from gspo_megatron.checkpoint.meta import (
     META_FILE,
+    CheckpointError,
     is_checkpoint,
     model_config_from_meta,
     read_meta,
@@ -420,9 +421,14 @@ def _verify(hf_dir: Path, megatron_dir: Path, cfg: ModelConfig, dtype: torch.dty
     return compare_logprobs(hf_dir, megatron_dir, cfg, round_to=dtype)
 
 
-def report_outcome(report: ConversionReport, verify_tol: float) -> int:
-    """Print a conversion's summary; the exit status of the conversion tools (1: verification
-    found a log-prob difference above `verify_tol`)."""
+def run_conversion_tool(convert, verify_tol: float, **kwargs: Any) -> int:
+    """`convert(**kwargs)` for the conversion tools: its summary, and their exit status (2: bad
+    input, one line; 1: verification found a log-prob difference above `verify_tol`)."""
+    try:
+        report = convert(**kwargs)
+    except (ConversionError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(report.summary())
     if report.verify_max_abs_diff is not None and report.verify_max_abs_diff > verify_tol:
         print(

@@ -286,23 +286,28 @@ def _check_extra_state(value, source: str) -> None:
         load_weights_only(io.BytesIO(value.getvalue()), source)
 
 
-class _ByteItemChecker(LoadPlanner):
-    """Deserialises each byte item DCP hands it the safe way and keeps nothing."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
+class PrebuiltPlanLoader(LoadPlanner):
+    """A DCP load planner for plans its caller builds and hands to the storage reader directly:
+    the planning steps pass through; subclasses say what to do with the bytes and tensors."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
         pass
 
-    def create_local_plan(self) -> LoadPlan:  # plans are built by verify_checkpoint_safe
-        raise NotImplementedError
+    def create_local_plan(self) -> LoadPlan:
+        raise NotImplementedError("the caller builds the plan")
 
     def create_global_plan(self, global_plan):
         return global_plan
 
     def finish_plan(self, central_plan):
         return central_plan
+
+
+class _ByteItemChecker(PrebuiltPlanLoader):
+    """Deserialises each byte item DCP hands it the safe way and keeps nothing."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.storage_index.fqn

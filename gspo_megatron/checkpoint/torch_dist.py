@@ -45,7 +45,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
-    LoadPlanner,
     ReadItem,
     SavePlan,
     TensorWriteData,
@@ -54,7 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from gspo_megatron.checkpoint.mapping import ConversionError, Shape
-from gspo_megatron.checkpoint.safe_load import SafeFileSystemReader
+from gspo_megatron.checkpoint.safe_load import PrebuiltPlanLoader, SafeFileSystemReader
 
 # What megatron's dist_checkpointing.save writes next to the DCP files.
 MEGATRON_CONFIG_FILE = "metadata.json"
@@ -183,23 +182,11 @@ def write_checkpoint(
     (path / MEGATRON_CONFIG_FILE).write_text(json.dumps(MEGATRON_CONFIG))
 
 
-class _RegionLoadPlanner(LoadPlanner):
-    """Copies read chunks into caller-provided destination tensors."""
+class _RegionLoadPlanner(PrebuiltPlanLoader):
+    """Copies read chunks into caller-provided destination tensors (TorchDistCheckpoint.read)."""
 
     def __init__(self, destinations: dict[tuple[str, Shape], torch.Tensor]) -> None:
         self._dest = destinations
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
-        pass
-
-    def create_local_plan(self) -> LoadPlan:  # plans are built by TorchDistCheckpoint.read
-        raise NotImplementedError
-
-    def create_global_plan(self, global_plan):
-        return global_plan
-
-    def finish_plan(self, central_plan):
-        return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise ConversionError(f"internal: unexpected object read {read_item.storage_index.fqn}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gspo_megatron.config_fields import bounded
+from gspo_megatron.config_fields import bounded, choice, raise_on_problems
 from gspo_megatron.data.dataset import PromptDataset, load_prompt_dataset
 from gspo_megatron.data.synthetic import synthetic_prompt_dataset
 from gspo_megatron.rewards.synthetic import SYNTHETIC_TASKS
@@ -37,13 +37,13 @@ class DataConfig:
 
     train_files: list[str] = field(default_factory=list)
     eval_files: list[str] = field(default_factory=list)
-    format: str = "auto"
+    format: str = choice("auto", "jsonl", "parquet")
     prompt_key: str = "prompt"
     label_key: str | None = "label"
     apply_chat_template: bool | None = None
     system_prompt: str | None = None
     max_prompt_length: int = bounded(512, ge=1)
-    on_error: str = "skip"
+    on_error: str = choice("skip", "raise")
     task: str | None = None
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     num_train: int = bounded(10_000, ge=1)
@@ -53,6 +53,7 @@ class DataConfig:
     shuffle: bool = True
 
     def validate(self) -> None:
+        raise_on_problems(self, "data")
         if bool(self.train_files) == (self.task is not None):
             raise ValueError(
                 "set exactly one of data.train_files (JSONL/Parquet) and data.task (synthetic: "
@@ -65,17 +66,6 @@ class DataConfig:
             )
         if self.task is not None and self.eval_files:
             raise ValueError("data.eval_files cannot be combined with data.task; use num_eval")
-        if self.format not in ("auto", "jsonl", "parquet"):
-            raise ValueError(f"data.format must be auto, jsonl or parquet, got {self.format!r}")
-        if self.on_error not in ("skip", "raise"):
-            raise ValueError(f"data.on_error must be skip or raise, got {self.on_error!r}")
-        if self.max_prompt_length < 1:
-            raise ValueError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
-        if self.task is not None and (self.num_train < 1 or self.num_eval < 0):
-            raise ValueError(
-                f"data.num_train must be >= 1 and data.num_eval >= 0, got {self.num_train}, "
-                f"{self.num_eval}"
-            )
 
 
 def build_datasets(

@@ -1,6 +1,6 @@
 """The training engine: a megatron-core policy, its optimizer, and the RL loss in the schedule.
 
-Normalisation (DESIGN.md §3): every loss is Σ per-item terms / D with D counted once per
+Normalisation (docs/ARCHITECTURE.md §4): every loss is Σ per-item terms / D with D counted once per
 optimizer step over all micro-batches and data-parallel ranks. We run megatron with
 `calculate_per_token_loss=False`, where the schedule divides each micro-batch's loss by its
 returned token count (we return 1) and by the micro-batch count M, and DDP scales gradients by
@@ -11,6 +11,7 @@ MoE aux loss on megatron's standard path (averaged over micro-batches and DP).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,12 +23,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.inference.utils import InferenceMode
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from gspo_megatron.algorithms.losses import get_policy_loss, policy_loss_terms
+from gspo_megatron.algorithms.losses import denominator_count, policy_loss_terms
 from gspo_megatron.algorithms.metrics import finalize_metrics, metric_reduce_op
+from gspo_megatron.config_fields import raise_on_problems
 from gspo_megatron.device import accelerator, pinned_for_accelerator
 from gspo_megatron.megatron.batch import (
     MicroBatch,
@@ -36,53 +39,14 @@ from gspo_megatron.megatron.batch import (
     plan_microbatches,
     split_for_data_parallel,
 )
-from gspo_megatron.megatron.logprobs import DEFAULT_CHUNK_BYTES, vocab_parallel_logprobs
+from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config
 from gspo_megatron.megatron.routing import RouteRecorder
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.sample import TrainSample, validate_samples
-
-
-@dataclass
-class OptimizerSettings:
-    """Adam (or SGD) with megatron's distributed optimizer, gradient clipping and an LR schedule."""
-
-    name: str = "adam"  # adam | sgd
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    decay_steps: int | None = None  # optimizer steps over which to decay; None: no decay
-    decay_style: str = "constant"  # constant | linear | cosine
-    distributed_optimizer: bool = True
-
-
-@dataclass
-class EngineSettings:
-    max_sequence_length: int = 4096
-    max_tokens_per_microbatch: int = 8192  # padded tokens (batch * length) per micro-batch
-    pad_token_id: int = 0
-    nonfinite: str = "skip"  # skip | raise: what to do with a non-finite loss or gradient
-    logprob_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    recompute: bool = False  # full activation recomputation
-    # The policy's entropy on the trained tokens, as a metric (costs ~3% of a step on CPU).
-    entropy_metric: bool = True
-    use_te: bool | None = None  # None: transformer-engine layers when importable on GPU
-    # The MoE load-balancing loss (megatron's moe_router_load_balancing_type) and its weight.
-    moe_aux_loss: str = "none"
-    moe_aux_loss_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.nonfinite not in ("skip", "raise"):
-            raise ValueError(f"trainer.nonfinite must be skip or raise, got {self.nonfinite!r}")
-        if self.max_tokens_per_microbatch < 1:
-            raise ValueError("trainer.max_tokens_per_microbatch must be >= 1")
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 
 @dataclass
@@ -98,9 +62,20 @@ class NonFiniteError(RuntimeError):
     pass
 
 
+# Module attributes that switch sequence parallelism on (generation runs without it).
+_SEQUENCE_PARALLEL_ATTRS = (
+    "sequence_parallel",
+    "scatter_to_sequence_parallel",
+    "reduce_scatter_embeddings",
+)
+
+
 class TrainingEngine:
     """Policy model chunks + optimizer for one parallel layout; called identically on all ranks.
 
+    engine, optimizer: the `engine` and `optimizer` config sections. decay_steps: optimizer
+    steps the learning rate decays over (None: the schedule stays at lr after warmup).
+    moe_aux_loss / moe_aux_loss_coef: the MoE load-balancing loss (algorithm.moe_aux_loss).
     A frozen engine (`frozen_copy`) holds weights only: no DDP gradient buffers, no optimizer,
     no routing replay; it can run `forward` and nothing that trains.
     """
@@ -112,12 +87,18 @@ class TrainingEngine:
         engine: EngineSettings | None = None,
         optimizer: OptimizerSettings | None = None,
         *,
+        decay_steps: int | None = None,
+        moe_aux_loss: str = "none",
+        moe_aux_loss_coef: float = 0.0,
         trainable: bool = True,
     ) -> None:
         self.model_config = model_config
         self.layout = layout
         self.settings = engine or EngineSettings()
         self.optim_settings = optimizer or OptimizerSettings()
+        raise_on_problems(self.settings, "engine")
+        raise_on_problems(self.optim_settings, "optimizer")
+        self.decay_steps = decay_steps
         layout.check_model(
             num_layers=model_config.num_hidden_layers,
             num_attention_heads=model_config.num_attention_heads,
@@ -127,9 +108,9 @@ class TrainingEngine:
         self.config = transformer_config(
             model_config,
             layout,
-            recompute=self.settings.recompute,
-            moe_aux_loss=self.settings.moe_aux_loss if trainable else "none",
-            moe_aux_loss_coef=self.settings.moe_aux_loss_coef,
+            recompute=self.settings.recompute_activations,
+            moe_aux_loss=moe_aux_loss if trainable else "none",
+            moe_aux_loss_coef=moe_aux_loss_coef,
         )
         self.trainable = trainable
         self.steps_done = 0
@@ -177,8 +158,6 @@ class TrainingEngine:
     def _optimizer_config(self) -> OptimizerConfig:
         s = self.optim_settings
         dtype = self.config.params_dtype
-        if s.name not in ("adam", "sgd"):
-            raise ValueError(f"OptimizerSettings.name must be adam or sgd, got {s.name!r}")
         return OptimizerConfig(
             optimizer=s.name,
             sgd_momentum=0.0,
@@ -197,8 +176,8 @@ class TrainingEngine:
 
     def _scheduler(self) -> OptimizerParamScheduler:
         s = self.optim_settings
-        decay_steps = s.decay_steps or max(1, s.warmup_steps) + 1
-        style = s.decay_style if s.decay_steps else "constant"
+        decay_steps = self.decay_steps or max(1, s.warmup_steps) + 1
+        style = s.decay_style if self.decay_steps else "constant"
         return OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if s.warmup_steps else s.lr,
@@ -214,6 +193,46 @@ class TrainingEngine:
         )
 
     # -- public API -----------------------------------------------------------------------------
+
+    # -- what the embedded rollout engine uses (rollout/embedded.py) ------------------------------
+    # `unwrapped_chunks` (the modules to run), `model_config`, `layout`, `settings`, `config`
+    # (megatron's TransformerConfig), `routes` (the RouteRecorder, MoE only) and
+    # `generation_mode()`; nothing else of the engine's state.
+
+    @contextlib.contextmanager
+    def generation_mode(self, record_routes: bool = False) -> Iterator[None]:
+        """For GPTModel forwards outside the schedule: eval mode, megatron's inference flag, no
+        sequence parallelism, and the experts each token chooses recorded when asked.
+
+        Sequence parallelism splits a sequence over TP ranks, which a one-token decode step
+        cannot be; it is switched off on every module that holds it and restored afterwards.
+        """
+        training = [m.training for m in self.model]
+        saved: list[tuple[object, str, bool]] = []
+        if self.config.sequence_parallel:
+            for chunk in self.unwrapped_chunks:
+                for module in chunk.modules():
+                    for attr in _SEQUENCE_PARALLEL_ATTRS:
+                        if getattr(module, attr, None) is True:
+                            saved.append((module, attr, True))
+                            setattr(module, attr, False)
+            saved.append((self.config, "sequence_parallel", True))
+            self.config.sequence_parallel = False
+        routes = self.routes if record_routes else None
+        for m in self.model:
+            m.eval()
+        try:
+            if routes is not None:
+                routes.begin(record=True, replay=False)
+            with torch.no_grad(), InferenceMode.active():
+                yield
+        finally:
+            if routes is not None:
+                routes.end()
+            for obj, attr, value in saved:
+                setattr(obj, attr, value)
+            for m, mode in zip(self.model, training, strict=True):
+                m.train(mode)
 
     @property
     def unwrapped_chunks(self) -> list[torch.nn.Module]:
@@ -304,7 +323,7 @@ class TrainingEngine:
                 seq_sum=cp_sum,
                 seq_share=torch.full((lp.shape[0],), seq_share, device=lp.device),
                 is_weights=mb.is_weights,
-                # Non-finite values are caught once per step (trainer.nonfinite), not per call.
+                # Non-finite values are caught once per step (engine.nonfinite), not per call.
                 check_values=False,
                 **loss.hparams,
                 **extra,
@@ -337,7 +356,7 @@ class TrainingEngine:
             if self.settings.nonfinite == "raise":
                 raise NonFiniteError(
                     f"non-finite loss or gradient at optimizer step {self.steps_done + 1} "
-                    "(trainer.nonfinite=raise); set trainer.nonfinite=skip to skip such steps"
+                    "(engine.nonfinite=raise); set engine.nonfinite=skip to skip such steps"
                 )
             self.optimizer.zero_grad()
             metrics.update(skipped=1.0, grad_norm=float("nan"), lr=self.current_lr())
@@ -392,7 +411,7 @@ class TrainingEngine:
                 samples,
                 [mine[j] for j in group],
                 multiple=self.layout.sequence_multiple,
-                pad_id=self.settings.pad_token_id,
+                pad_id=0,  # padding is masked out; any id in the vocabulary will do
                 cp_size=self.layout.cp,
                 cp_rank=cp_rank,
                 token_advantages=token_advantages,
@@ -471,14 +490,11 @@ class TrainingEngine:
 
     def _global_denominator(self, samples: Sequence[TrainSample], loss: LossSettings) -> float:
         """D of the normalisation contract over the whole minibatch (known before the forward)."""
-        masks = [
-            s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids) for s in samples
-        ]
-        if get_policy_loss(loss.name).denominator == "tokens":
-            total = sum(sum(1 for m in mask if m) for mask in masks)
-        else:
-            total = sum(1 for mask in masks if any(mask))
-        return float(max(total, 1))
+        lengths = [len(s.response_ids) for s in samples]
+        mask = torch.zeros(len(samples), max(lengths))
+        for row, s in enumerate(samples):
+            mask[row, : lengths[row]] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask)
+        return float(max(int(denominator_count(loss.name, mask)), 1))
 
     def _cp_sum(self, partial_sums: torch.Tensor) -> torch.Tensor:
         return _AllReduceSum.apply(partial_sums, self._cp_group)

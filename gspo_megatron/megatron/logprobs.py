@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# Size of one float32 [chunk tokens x local vocabulary] buffer; a chunk needs about three.
-DEFAULT_CHUNK_BYTES = 8 * 2**20
+from gspo_megatron.spec.training import DEFAULT_LOGPROB_CHUNK_BYTES
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -120,7 +119,7 @@ def vocab_parallel_logprobs(
     vocab_size: int,
     tp_group=None,
     with_entropy: bool = True,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_LOGPROB_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `targets` and the entropy of the full distribution, per token, in float32.
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo_megatron.config_fields import bounded
+from gspo_megatron.config_fields import bounded, choice, raise_on_problems
 from gspo_megatron.rewards.base import RewardFn
 from gspo_megatron.rewards.basic import ExactMatchReward, FormatReward
 from gspo_megatron.rewards.math_reward import MathVerifyReward
@@ -104,17 +104,12 @@ class RewardConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = bounded(10.0, gt=0)
     max_concurrency: int = bounded(4, ge=1)
-    executor: str = "auto"
+    executor: str = choice(*EXECUTORS)
     max_failure_fraction: float = bounded(0.5, ge=0, le=1)
     max_failing_steps: int = bounded(10, ge=1)
 
     def validate(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
-        if self.max_concurrency < 1:
-            raise ValueError(f"reward.max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"reward.executor must be one of {EXECUTORS}, got {self.executor!r}")
+        raise_on_problems(self, "reward")
         if ":" not in self.name and self.name not in REWARDS:
             raise ValueError(
                 f"unknown reward.name={self.name!r}; choose one of {sorted(REWARDS)} or give "

@@ -352,12 +352,8 @@ class RewardScorer:
         labels: Sequence[Any] | None = None,
     ) -> RewardBatch:
         """Rewards for each (prompt, response, label), in order. Never raises for a bad call."""
-        items = self._items(prompts, responses, labels)
-        start = time.perf_counter()
-        if self.executor == "inline":
-            outcomes = [self._call_inline(*item) for item in items]
-        else:
-            outcomes = self._ensure_loop().submit(self._score_async(items)).result()
+        start, running = self._start(prompts, responses, labels)
+        outcomes = running if isinstance(running, list) else running.result()
         return self._batch(outcomes, time.perf_counter() - start)
 
     async def ascore(
@@ -367,14 +363,18 @@ class RewardScorer:
         labels: Sequence[Any] | None = None,
     ) -> RewardBatch:
         """`score` for callers that run their own event loop (the work runs on the scorer's)."""
+        start, running = self._start(prompts, responses, labels)
+        outcomes = running if isinstance(running, list) else await asyncio.wrap_future(running)
+        return self._batch(outcomes, time.perf_counter() - start)
+
+    def _start(self, prompts, responses, labels):
+        """(start time, outcomes): the outcomes themselves when scored inline, else the future of
+        the scorer's loop computing them."""
         items = self._items(prompts, responses, labels)
         start = time.perf_counter()
         if self.executor == "inline":
-            outcomes = [self._call_inline(*item) for item in items]
-        else:
-            fut = self._ensure_loop().submit(self._score_async(items))
-            outcomes = await asyncio.wrap_future(fut)
-        return self._batch(outcomes, time.perf_counter() - start)
+            return start, [self._call_inline(*item) for item in items]
+        return start, self._ensure_loop().submit(self._score_async(items))
 
     def warmup(self) -> None:
         """Start the worker processes now (they otherwise start on first use)."""

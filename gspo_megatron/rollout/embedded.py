@@ -60,7 +60,6 @@ their combinations. Pipeline and context parallelism are refused: use the SGLang
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -68,7 +67,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.inference.utils import InferenceMode
 
 from gspo_megatron.device import accelerator
 from gspo_megatron.rollout.decoders import (
@@ -82,12 +80,6 @@ from gspo_megatron.rollout.sampling import sample_tokens, sequence_seed, sequenc
 
 if TYPE_CHECKING:
     from gspo_megatron.megatron.engine import TrainingEngine
-
-_SEQUENCE_PARALLEL_ATTRS = (
-    "sequence_parallel",
-    "scatter_to_sequence_parallel",
-    "reduce_scatter_embeddings",
-)
 
 
 @dataclass
@@ -375,7 +367,7 @@ class EmbeddedEngine:
                 raise ValueError(
                     f"prompt {p} has {len(ids)} tokens, leaving no room to generate within the "
                     f"maximum sequence length {self.max_sequence_length} "
-                    "(trainer.max_sequence_length / model.max_position_embeddings)"
+                    "(engine.max_sequence_length / model.max_position_embeddings)"
                 )
             budget = min(params.max_new_tokens, room)
             seqs.extend(_Sequence(p * n + j, ids, budget) for j in range(n))
@@ -430,7 +422,7 @@ class EmbeddedEngine:
             fast = TorchDecoder(
                 self.model, self._trainer.config, self.vocab_size, self.record_routes
             )
-            with self._megatron_mode(record_routes=False):
+            with self._trainer.generation_mode(record_routes=False):
                 diff = check_against(
                     fast, MegatronDecoder(self.model, self.vocab_size), self.vocab_size
                 )
@@ -443,43 +435,8 @@ class EmbeddedEngine:
             raise ValueError(f"rollout.backend=torch cannot run this model: {reason}")
         return megatron
 
-    @contextlib.contextmanager
-    def _megatron_mode(self, record_routes: bool):
-        """For GPTModel forwards: eval mode, megatron's inference flag, no sequence parallelism.
-
-        Sequence parallelism splits a sequence over TP ranks, which a one-token decode step
-        cannot be; it is switched off on every module that holds it and restored afterwards.
-        """
-        modules = self._trainer.model
-        training = [m.training for m in modules]
-        saved: list[tuple[object, str, bool]] = []
-        config = self._trainer.config
-        if config.sequence_parallel:
-            for module in self.model.modules():
-                for attr in _SEQUENCE_PARALLEL_ATTRS:
-                    if getattr(module, attr, None) is True:
-                        saved.append((module, attr, True))
-                        setattr(module, attr, False)
-            saved.append((config, "sequence_parallel", True))
-            config.sequence_parallel = False
-        routes = self._trainer.routes if record_routes else None
-        for m in modules:
-            m.eval()
-        try:
-            if routes is not None:
-                routes.begin(record=True, replay=False)
-            with torch.no_grad(), InferenceMode.active():
-                yield
-        finally:
-            if routes is not None:
-                routes.end()
-            for obj, attr, value in saved:
-                setattr(obj, attr, value)
-            for m, mode in zip(modules, training, strict=True):
-                m.train(mode)
-
     def _generation_mode(self):
         """The torch decoder calls no module (dropout-free math): no autograd is all it needs."""
         if isinstance(self.decoder, MegatronDecoder):
-            return self._megatron_mode(self.record_routes)
+            return self._trainer.generation_mode(self.record_routes)
         return torch.no_grad()

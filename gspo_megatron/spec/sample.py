@@ -44,7 +44,7 @@ def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
         if sample.length > max_length:
             raise ValueError(
                 f"sample {i}: prompt+response length {sample.length} exceeds the configured "
-                f"maximum sequence length {max_length} (trainer.max_sequence_length)"
+                f"maximum sequence length {max_length} (engine.max_sequence_length)"
             )
         n = len(sample.response_ids)
         for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_mask", "is_weights"):

@@ -14,8 +14,8 @@ overrides=(
   parallel.tp=4 parallel.pp=2 parallel.ep=32 parallel.sequence_parallel=true
   data=jsonl "data.train_files=[${DATA:-/data/math_train.jsonl}]" reward=math
   algorithm=gspo rollout.prompts_per_step=128 rollout.group_size=8 rollout.max_new_tokens=8192
-  trainer.max_sequence_length=9216 trainer.max_tokens_per_microbatch=18432
-  trainer.recompute_activations=true trainer.lr=1e-6 trainer.steps=300 trainer.save_every=5
+  engine.max_sequence_length=9216 engine.max_tokens_per_microbatch=18432
+  engine.recompute_activations=true optimizer.lr=1e-6 trainer.steps=300 trainer.save_every=5
 )
 if [[ "${1:-}" == --dry-run ]]; then
   exec "${GSPO_PYTHON:-python}" -m gspo_megatron.slurm preflight --dry-run --nodes "$nodes" \

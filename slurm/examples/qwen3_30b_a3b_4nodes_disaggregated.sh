@@ -15,8 +15,8 @@ overrides=(
   parallel=qwen3_30b_a3b_16gpu
   data=jsonl "data.train_files=[${DATA:-/data/math_train.jsonl}]" reward=math
   algorithm=gspo rollout.prompts_per_step=64 rollout.group_size=8 rollout.max_new_tokens=8192
-  trainer.max_sequence_length=9216 trainer.max_tokens_per_microbatch=18432
-  trainer.recompute_activations=true trainer.lr=1e-6 trainer.steps=500 trainer.save_every=10
+  engine.max_sequence_length=9216 engine.max_tokens_per_microbatch=18432
+  engine.recompute_activations=true optimizer.lr=1e-6 trainer.steps=500 trainer.save_every=10
 )
 if [[ "${1:-}" == --dry-run ]]; then
   exec "${GSPO_PYTHON:-python}" -m gspo_megatron.slurm preflight --dry-run \

@@ -243,11 +243,14 @@ def test_rollout_metrics():
     metrics = rollout_metrics(
         REWARDS, response_lengths=torch.arange(20), truncated=torch.arange(20) % 4 == 0
     )
-    assert metrics["reward_mean"] == pytest.approx(REWARDS.mean().item())
-    assert metrics["zero_variance_group_fraction"] == pytest.approx(0.6)
-    assert metrics["solved_all_fraction"] == pytest.approx(0.2)
-    assert metrics["solved_none_fraction"] == pytest.approx(0.4)
-    assert metrics["response_length_max"] == 19 and metrics["truncated_fraction"] == 0.25
+    assert metrics["reward/mean"] == pytest.approx(REWARDS.mean().item())
+    assert metrics["reward/std"] == pytest.approx(REWARDS.double().std().item())
+    assert metrics["sampling/groups_generated"] == REWARDS.shape[0]
+    assert metrics["sampling/groups_zero_variance"] == 0.6 * REWARDS.shape[0]
+    assert metrics["reward/solved_all_fraction"] == pytest.approx(0.2)
+    assert metrics["reward/solved_none_fraction"] == pytest.approx(0.4)
+    assert metrics["response/length_max"] == 19 and metrics["response/tokens"] == 190
+    assert metrics["response/truncated_fraction"] == 0.25
     with pytest.raises(ValueError, match="response_lengths"):
         rollout_metrics(REWARDS, response_lengths=torch.arange(3))
 

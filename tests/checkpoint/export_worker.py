@@ -27,12 +27,13 @@ from gspo_megatron.megatron import cpu_compat
 cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import EngineSettings, OptimizerSettings, TrainingEngine
+from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.rollout.engine import WeightSource
 from gspo_megatron.rollout.weight_export import MegatronWeightSource
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.sample import TrainSample
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 CONFIG = ModelConfig(
     model_type="qwen3_moe",

@@ -21,17 +21,14 @@ cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.checkpoint.safe_load import load_weights_only, verify_checkpoint_safe
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import (
-    EngineSettings,
-    OptimizerSettings,
-    TrainingEngine,
-)
+from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
-ADAM = OptimizerSettings(name="adam", lr=1e-2, warmup_steps=1, decay_steps=10)
+ADAM = OptimizerSettings(name="adam", lr=1e-2, weight_decay=0.01, warmup_steps=1)
 CHECKPOINTS = {
     "moe_adam_distributed": ("tiny_moe", ADAM),
     "dense_adam": ("tiny_dense", dataclasses.replace(ADAM, distributed_optimizer=False)),
@@ -40,7 +37,7 @@ CHECKPOINTS = {
 
 def engine(layout: ParallelLayout, preset: str, optimizer: OptimizerSettings) -> TrainingEngine:
     settings = EngineSettings(max_sequence_length=40, max_tokens_per_microbatch=64)
-    return TrainingEngine(load_preset(preset), layout, settings, optimizer)
+    return TrainingEngine(load_preset(preset), layout, settings, optimizer, decay_steps=10)
 
 
 def train_one_step(engine: TrainingEngine) -> None:

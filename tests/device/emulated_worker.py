@@ -25,11 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from gspo_megatron.device import accelerator  # noqa: E402
 from gspo_megatron.megatron import parallel  # noqa: E402
-from gspo_megatron.megatron.engine import (  # noqa: E402
-    EngineSettings,
-    OptimizerSettings,
-    TrainingEngine,
-)
+from gspo_megatron.megatron.engine import TrainingEngine  # noqa: E402
 from gspo_megatron.rollout.embedded import EmbeddedEngine  # noqa: E402
 from gspo_megatron.rollout.engine import SamplingParams  # noqa: E402
 from gspo_megatron.rollout.weight_export import MegatronWeightSource  # noqa: E402
@@ -37,11 +33,14 @@ from gspo_megatron.spec.layout import ParallelLayout  # noqa: E402
 from gspo_megatron.spec.loss import LossSettings  # noqa: E402
 from gspo_megatron.spec.model_config import load_preset  # noqa: E402
 from gspo_megatron.spec.sample import TrainSample  # noqa: E402
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings  # noqa: E402
 
 VOCAB = 48
 RESULTS: list[dict] = []
-ADAM = OptimizerSettings(name="adam", lr=1e-3, distributed_optimizer=True)
-SGD = OptimizerSettings(name="sgd", lr=0.1, clip_grad=1.0, distributed_optimizer=False)
+ADAM = OptimizerSettings(name="adam", lr=1e-3, weight_decay=0.01, distributed_optimizer=True)
+SGD = OptimizerSettings(
+    name="sgd", lr=0.1, clip_grad=1.0, weight_decay=0.01, distributed_optimizer=False
+)
 
 
 def check(name: str, ok: bool, detail: object = None) -> None:

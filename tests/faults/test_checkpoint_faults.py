@@ -158,7 +158,7 @@ def test_longer_schedule_on_resume_matches_a_run_configured_so_from_the_start(tm
     """Linear decay over 4 steps, then resumed with 8: steps 5-8 get the LR that a run of 8
     steps has there (the schedule is a function of the optimizer step and the current
     config; megatron's scheduler load would have added steps and kept the old length)."""
-    sched = ["trainer.decay_style=linear", "trainer.save_every=0"]
+    sched = ["optimizer.decay_style=linear", "trainer.save_every=0"]
     short, full = tmp_path / "short", tmp_path / "full"
     train(short, "trainer.steps=4", *sched)
     train(short, "trainer.steps=8", *sched)

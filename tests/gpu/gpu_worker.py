@@ -53,11 +53,7 @@ from gspo_megatron.megatron import cpu_compat
 cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import (
-    EngineSettings,
-    OptimizerSettings,
-    TrainingEngine,
-)
+from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.rollout.embedded import EmbeddedEngine
 from gspo_megatron.rollout.engine import SamplingParams
 from gspo_megatron.rollout.weight_export import MegatronWeightSource, export_shape
@@ -65,6 +61,7 @@ from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import ModelConfig, load_preset
 from gspo_megatron.spec.sample import TrainSample
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 VOCAB = 100
 MAX_LEN = 64
@@ -81,7 +78,9 @@ def model_config(dtype: str) -> ModelConfig:
 
 def build(dtype: str = "bfloat16", optimizer: OptimizerSettings = ADAM) -> TrainingEngine:
     settings = EngineSettings(max_sequence_length=MAX_LEN, max_tokens_per_microbatch=256)
-    return TrainingEngine(model_config(dtype), ParallelLayout(), settings, optimizer)
+    return TrainingEngine(
+        model_config(dtype), ParallelLayout(), settings, optimizer, decay_steps=10
+    )
 
 
 def device() -> torch.device:
@@ -338,7 +337,7 @@ def optimizer_state(engine: TrainingEngine) -> list[tuple[str, torch.Tensor]]:
 
 def check_checkpoint(report: Report) -> None:
     adam = OptimizerSettings(
-        name="adam", lr=1e-3, warmup_steps=1, decay_steps=10, decay_style="cosine"
+        name="adam", lr=1e-3, weight_decay=0.01, warmup_steps=1, decay_style="cosine"
     )
     saved = build(optimizer=adam)
     batch = with_old_logprobs(saved, samples(seed=8))

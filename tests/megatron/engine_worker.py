@@ -30,16 +30,12 @@ cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.algorithms import policy_loss
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import (
-    EngineSettings,
-    NonFiniteError,
-    OptimizerSettings,
-    TrainingEngine,
-)
+from gspo_megatron.megatron.engine import NonFiniteError, TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 VOCAB = 48
 RESULTS: list[tuple[str, float, bool]] = []
@@ -71,7 +67,7 @@ def engine_for(
     if aux:
         engine_kw.update(moe_aux_loss="aux_loss", moe_aux_loss_coef=aux)
     settings = EngineSettings(max_sequence_length=40, max_tokens_per_microbatch=tokens, **engine_kw)
-    return TrainingEngine(model, layout, settings, optimizer)
+    return TrainingEngine(model, layout, settings, optimizer, decay_steps=10)
 
 
 def with_old(batch, logprobs, scale=0.05, seed=5):
@@ -97,9 +93,8 @@ ADAM = OptimizerSettings(
     weight_decay=0.01,
     distributed_optimizer=True,
     warmup_steps=1,
-    decay_steps=10,
     decay_style="cosine",
-)
+)  # the engines below decay over 10 optimizer steps
 
 
 def mode_gradient(layout: ParallelLayout) -> None:
@@ -164,7 +159,7 @@ def mode_replay(layout: ParallelLayout) -> None:
     engine = engine_for(
         layout,
         optimizer=OptimizerSettings(
-            name="sgd", lr=30.0, clip_grad=0.0, distributed_optimizer=False
+            name="sgd", lr=30.0, clip_grad=0.0, weight_decay=0.01, distributed_optimizer=False
         ),
     )
     batch = samples()
@@ -298,7 +293,7 @@ def mode_nonfinite(layout: ParallelLayout) -> None:
         try:
             metrics = engine.train_step(train, LossSettings("gspo"))
         except NonFiniteError as err:
-            check(f"nonfinite_{policy}", 1.0, policy == "raise" and "trainer.nonfinite" in str(err))
+            check(f"nonfinite_{policy}", 1.0, policy == "raise" and "engine.nonfinite" in str(err))
             continue
         untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         check(
@@ -314,7 +309,7 @@ def mode_bad_input(layout: ParallelLayout, workdir: Path) -> None:
     expect_error(
         "too_long",
         lambda: engine.train_step(too_long, LossSettings()),
-        "trainer.max_sequence_length",
+        "engine.max_sequence_length",
     )
     empty = [TrainSample([1, 2], [], 1.0, old_logprobs=[])]
     expect_error("empty_response", lambda: engine.forward(empty), "empty response")

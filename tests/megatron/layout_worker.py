@@ -26,15 +26,12 @@ from gspo_megatron.megatron import cpu_compat
 cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import (
-    EngineSettings,
-    OptimizerSettings,
-    TrainingEngine,
-)
+from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 LOSSES = {
     # Wide enough clip ranges that some sequences/tokens are clipped and some are not.

@@ -62,7 +62,8 @@ def test_wrong_megatron_version_is_refused():
     code = (
         "import importlib.metadata as m; real = m.version\n"
         "m.version = lambda name: '0.18.0' if name == 'megatron-core' else real(name)\n"
-        "import gspo_megatron.megatron\n"
+        "from gspo_megatron.megatron import cpu_compat\n"
+        "cpu_compat.apply()\n"
     )
     proc = run(code)
     assert proc.returncode != 0
@@ -73,8 +74,26 @@ def test_apply_after_megatron_import_is_refused():
     code = (
         "import sys, types\n"
         "sys.modules['megatron.core'] = types.ModuleType('megatron.core')  # imported earlier\n"
-        "import gspo_megatron.megatron\n"
+        "from gspo_megatron.megatron import cpu_compat\n"
+        "cpu_compat.apply()\n"
     )
     proc = run(code)
     assert proc.returncode != 0
     assert "must run before megatron.core is imported" in proc.stderr
+
+
+def test_megatron_import_before_apply_is_refused_naming_the_fix():
+    """Importing the package applies nothing; megatron-core imported before `apply()` is an
+    error that says what to call."""
+    code = (
+        "import sys\n"
+        "import gspo_megatron.megatron, gspo_megatron.config, gspo_megatron.trainer\n"
+        "import torch\n"
+        "assert torch.cuda.current_device.__module__ != 'gspo_megatron.megatron.cpu_compat'\n"
+        "import megatron.core\n"
+    )
+    proc = run(code)
+    assert proc.returncode != 0
+    assert "megatron.core is imported before gspo_megatron.megatron.cpu_compat.apply()" in (
+        proc.stderr
+    )

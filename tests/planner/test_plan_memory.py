@@ -230,9 +230,9 @@ def test_tool_reports_fit_and_refuses_a_too_small_layout(capsys):
         "parallel.tp=4",
         "parallel.pp=2",
         "parallel.sequence_parallel=true",
-        "trainer.max_sequence_length=9216",
-        "trainer.max_tokens_per_microbatch=18432",
-        "trainer.recompute_activations=true",
+        "engine.max_sequence_length=9216",
+        "engine.max_tokens_per_microbatch=18432",
+        "engine.recompute_activations=true",
     ]
     proc = _tool("--nodes", "4", "parallel.ep=16", *big)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -30,17 +30,14 @@ from gspo_megatron.megatron import cpu_compat
 cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.megatron import parallel
-from gspo_megatron.megatron.engine import (
-    EngineSettings,
-    OptimizerSettings,
-    TrainingEngine,
-)
+from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.rollout.embedded import EmbeddedEngine
 from gspo_megatron.rollout.engine import RolloutEngine, SamplingParams
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
+from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 LOGPROB_TOL = 1e-5
 MAX_LEN = 40
@@ -421,7 +418,7 @@ def main() -> int:
             config,
             layout,
             EngineSettings(max_sequence_length=MAX_LEN),
-            OptimizerSettings(lr=3e-3),
+            OptimizerSettings(lr=3e-3, weight_decay=0.01),
         )
         try:
             engine = EmbeddedEngine(trainer, record_routes=True, backend=backend)

@@ -1,4 +1,4 @@
-"""A one-node Slurm cluster on localhost for tests (DESIGN.md §4), installed with apt if missing.
+"""A one-node Slurm cluster on localhost for tests (docs/ARCHITECTURE.md §5), installed with apt if missing.
 
 Debian's slurmctld, slurmd, slurm-client and munge (Slurm 22.05) run as root without systemd:
 munged as the munge user, then slurmctld, then `slurmd -N localhost`. The cluster gets its own
@@ -80,7 +80,7 @@ def _free_port() -> int:
 
 
 SLURM_CONF = """\
-# One-node test cluster (tests/slurm/local_cluster.py); DESIGN.md §4.
+# One-node test cluster (tests/slurm/local_cluster.py); docs/ARCHITECTURE.md §5.
 ClusterName=gspo-test
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}

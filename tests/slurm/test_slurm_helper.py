@@ -195,7 +195,7 @@ def test_cli_outside_slurm_and_dry_run(capsys):
     dry.append("model=qwen3_30b_a3b")
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]
     code = slurm.main(
-        [*dry, "--nodes", "2", *layout, "parallel.ep=8", "trainer.recompute_activations=true"],
+        [*dry, "--nodes", "2", *layout, "parallel.ep=8", "engine.recompute_activations=true"],
         env={},
     )
     out = capsys.readouterr()

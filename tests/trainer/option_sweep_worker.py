@@ -20,11 +20,8 @@ import os
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
-from gspo_megatron import CONF_DIR
 from gspo_megatron.algorithms.losses import POLICY_LOSSES
+from gspo_megatron.config import compose
 from gspo_megatron.train import _quiet_libraries, run_composed
 
 SMALL = [
@@ -73,8 +70,7 @@ def sampling_sweep() -> list[list[str]]:
 
 
 def run_one(overrides: list[str], run_dir: Path) -> dict:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        raw = OmegaConf.to_container(compose("config", overrides=SMALL + overrides), resolve=True)
+    raw = compose(SMALL + overrides)
     # Each run starts its own one-process group on a fresh port, as a new gspo-train would.
     os.environ.pop("MASTER_ADDR", None)
     os.environ.pop("MASTER_PORT", None)

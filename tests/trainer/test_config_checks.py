@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gspo_megatron.config import ConfigError, resolve
-from gspo_megatron.memory_plan import compose, plan, settings_from_config
+from gspo_megatron.config import ConfigError, compose, resolve
+from gspo_megatron.memory_plan import plan, settings_from_config
 
 
 def resolved(*overrides: str):
@@ -62,3 +62,86 @@ def test_memory_plan_counts_the_kl_reference():
     assert with_ref.reference == pytest.approx(with_ref.weights)
     assert with_ref.static == pytest.approx(without.static + with_ref.weights)
     assert (with_ref.grads, with_ref.optimizer) == (without.grads, without.optimizer)
+
+
+def _constrained_fields(cls, prefix: str = ""):
+    """(key, field) of every field declared with a range or choices, recursively."""
+    import dataclasses
+
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if dataclasses.is_dataclass(default):
+            yield from _constrained_fields(type(default), key)
+        elif "range" in f.metadata or "choices" in f.metadata:
+            yield key, f
+
+
+def _invalid(f) -> str:
+    if "choices" in f.metadata:
+        return "not_a_choice"
+    bounds = f.metadata["range"]
+    if bounds["ge"] is not None:
+        return str(bounds["ge"] - 1)
+    if bounds["gt"] is not None:
+        return str(bounds["gt"])
+    return str((bounds["le"] if bounds["le"] is not None else bounds["lt"]) + 1)
+
+
+def _exists(raw: dict, key: str) -> bool:
+    node = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+SECTIONS = "model|parallel|algorithm|rollout|data|reward|trainer|optimizer|engine|logging"
+KEY = rf"\b(?:{SECTIONS})\.[a-z_0-9]+\b"
+
+
+def test_every_constrained_field_is_refused_naming_its_own_key():
+    """For each field with a range or choices, a value outside it is refused at config time
+    with a message that names that key, and every key the message names exists."""
+    import re
+
+    from gspo_megatron.config import RunConfig
+
+    raw = compose([])
+    fields = list(_constrained_fields(RunConfig))
+    assert len(fields) > 40
+    for key, f in fields:
+        override = f"{key}={_invalid(f)}"
+        with pytest.raises(ConfigError) as err:
+            resolve(compose([override]), 1)
+        message = str(err.value)
+        assert message.startswith(key), (override, message)
+        for named in re.findall(KEY, message):
+            assert _exists(raw, named), (override, named, message)
+
+
+def test_every_key_in_a_config_message_exists():
+    """The keys named anywhere in the config checks' messages (config.py and the sections it
+    uses) are keys of the composed config (or of earlier versions, in the rename table)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    import gspo_megatron
+    from gspo_megatron.config import old_key_message
+
+    raw = compose(["algorithm.mismatch=tis"])  # any valid config: the keys are the same
+    package = Path(gspo_megatron.__file__).parent
+    sources = ["config.py", "data/config.py", "rewards/registry.py", "spec/training.py",
+               "memory_plan.py", "run_health.py", "components.py"]  # fmt: skip
+    named = set()
+    for source in sources:
+        tree = ast.parse((package / source).read_text())
+        texts = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)]
+        for text in texts:
+            if isinstance(text, str) and "gspo_megatron." not in text:
+                named |= set(re.findall(KEY, text))
+    assert len(named) > 30
+    unknown = [k for k in sorted(named) if not _exists(raw, k) and not old_key_message(k)]
+    assert not unknown, unknown
