@@ -189,7 +189,7 @@ class Trainer:
         elif alg.dynamic_sampling == "dupo":
             generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.step)
             fill = dupo_fill_indices(batch.rewards, num_groups=wanted, generator=generator)
-            batch = _select(batch, fill) if fill.numel() else batch
+            batch = _select(batch, fill)  # empty when no group is informative, as with DAPO
         stats.update(_generation_metrics(generated))
         stats["sampling/groups_used"] = float(len(batch.groups))
         if batch.groups:
@@ -310,7 +310,9 @@ class Trainer:
         if alg.mismatch != "none":
             self._mismatch_weights(samples, batch)
         if self.reference is not None:
-            ref = self.reference.forward(samples)
+            # Routed like the policy's training forward, so that the KL term compares the two
+            # policies on the same experts (and is 0 while they are the same weights).
+            ref = self.reference.forward(samples, replay_routes=alg.routing_replay != "off")
             for s, lp in zip(samples, ref.logprobs, strict=True):
                 s.ref_logprobs = lp.tolist()
         batch.samples = samples

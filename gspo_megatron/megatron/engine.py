@@ -76,8 +76,8 @@ class TrainingEngine:
     engine, optimizer: the `engine` and `optimizer` config sections. decay_steps: optimizer
     steps the learning rate decays over (None: the schedule stays at lr after warmup).
     moe_aux_loss / moe_aux_loss_coef: the MoE load-balancing loss (algorithm.moe_aux_loss).
-    A frozen engine (`frozen_copy`) holds weights only: no DDP gradient buffers, no optimizer,
-    no routing replay; it can run `forward` and nothing that trains.
+    A frozen engine (`frozen_copy`) holds weights only: no DDP gradient buffers, no optimizer;
+    it can run `forward` (with routing replay) and nothing that trains.
     """
 
     def __init__(
@@ -116,7 +116,7 @@ class TrainingEngine:
         self.steps_done = 0
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._cp_group = parallel_state.get_context_parallel_group()
-        if model_config.is_moe and trainable:
+        if model_config.is_moe:
             self.config.moe_enable_routing_replay = True
         chunks = build_model_chunks(
             model_config, layout, config=self.config, use_te=self.settings.use_te
@@ -126,7 +126,8 @@ class TrainingEngine:
                 chunk.requires_grad_(False)
                 chunk.eval()
             self.model: list[torch.nn.Module] = chunks
-            self.optimizer = self.scheduler = self.routes = None
+            self.optimizer = self.scheduler = None
+            self.routes = RouteRecorder(self.model, self.config) if model_config.is_moe else None
             return
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,

@@ -1,0 +1,662 @@
+"""The RL loop's option matrix through `Trainer.train()` (the code gspo-train runs), with fake
+engines (tests/trainer/fakes.py): every policy loss x train/rollout mismatch correction, and
+old log-probs x routing replay x KL x dynamic sampling, each composed and resolved like
+gspo-train's config and checked against independent plain-Python references.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from trainer.fakes import SMALL, ConfigComposer, FakeRun, MemoryCheckpoints, build_fake_run
+
+from gspo_megatron.algorithms.losses import POLICY_LOSSES
+from gspo_megatron.algorithms.mismatch import mismatch_support
+from gspo_megatron.config import ConfigError
+from gspo_megatron.data.tokenizer import load_tokenizer
+from gspo_megatron.rewards.synthetic import partial_credit
+
+_MEGATRON_ALREADY_IMPORTED = "megatron.core" in sys.modules
+
+# How each loss aggregates its terms (written out here, not read from the registry).
+AGGREGATION = {
+    "gspo": "sequence",
+    "gmpo": "sequence",
+    "gspo_token": "seq_mean",
+    "grpo": "seq_mean",
+    "sapo": "seq_mean",
+    "dr_grpo": "seq_constant",
+    "dapo": "token",
+    "cispo": "token",
+}
+SEQUENCE_RATIO_LOSSES = {"gspo", "gmpo"}
+MODES = ("none", "tis", "mis")
+LEVELS = ("token", "sequence", "geometric")
+MISMATCH_NOISE = 1.0  # std of the rollout's log-prob noise: corrections on both sides of 1
+TOL = 1e-10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tensors here are tiny: a second intra-op thread only adds hand-offs (10 ms a matmul on a
+    busy 2-core machine instead of 10 us)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("char")
+
+
+@pytest.fixture(scope="module")
+def composer():
+    return ConfigComposer()
+
+
+def run_fake(composer, tokenizer, *overrides: str, noise: float = 0.05, **kwargs) -> FakeRun:
+    cfg, model, layout = composer.resolve(*overrides)
+    run = build_fake_run(cfg, model, layout, tokenizer, logprob_noise=noise, **kwargs)
+    run.train()
+    return run
+
+
+# -- independent references (plain Python, float64) ------------------------------------------
+
+
+class ReferenceModel:
+    """The fake policy's log-probs, recomputed in plain Python from a snapshot of its weights."""
+
+    def __init__(self, policy, params) -> None:
+        self.table = params["table"].tolist()
+        self.experts = params["experts"].tolist() if "experts" in params else None
+        self.router = None if policy.router is None else policy.router.tolist()
+        self.top_k = policy.model_config.num_experts_per_tok
+        self._rows: dict[tuple, list[float]] = {}
+
+    def own_routes(self, token: int) -> tuple:
+        """Each layer's top-k experts of the router's scores for `token`, in ascending id."""
+        return tuple(
+            tuple(sorted(sorted(range(len(s)), key=lambda e: -s[e])[: self.top_k]))
+            for s in self.router[token]
+        )
+
+    def _log_softmax_after(self, token: int, routes: tuple) -> list[float]:
+        key = (token, routes)
+        if key not in self._rows:
+            row = list(self.table[token])
+            for layer, chosen in enumerate(routes):
+                for e in chosen:
+                    row = [a + b for a, b in zip(row, self.experts[layer][e], strict=True)]
+            top = max(row)
+            lse = top + math.log(sum(math.exp(x - top) for x in row))
+            self._rows[key] = [x - lse for x in row]
+        return self._rows[key]
+
+    def logprobs(self, sample, replay: bool) -> list[float]:
+        """log pi(response token | previous token), routing with the sample's routes when
+        replaying, else with the policy's own router."""
+        ids = sample.prompt_ids + sample.response_ids
+        out = []
+        for t in range(len(sample.response_ids)):
+            j = len(sample.prompt_ids) - 1 + t
+            routes = ()
+            if self.experts is not None:
+                routes = (
+                    tuple(map(tuple, sample.routed_experts[j].tolist()))
+                    if replay
+                    else self.own_routes(ids[j])
+                )
+            out.append(self._log_softmax_after(ids[j], routes)[ids[j + 1]])
+        return out
+
+
+def _clamp(x: float, bound: float = 20.0) -> float:
+    return max(-bound, min(bound, x))
+
+
+def _ppo(ratio: float, adv: float, lo: float, hi: float, c: float | None = None) -> float:
+    """min(r·A, clip(r, 1-lo, 1+hi)·A), dual-clipped at c·A for A < 0."""
+    objective = min(ratio * adv, min(max(ratio, 1.0 - lo), 1.0 + hi) * adv)
+    if c is not None and adv < 0:
+        objective = max(objective, c * adv)
+    return objective
+
+
+def _k3(log_r: float) -> float:
+    return math.exp(log_r) - 1.0 - log_r
+
+
+def reference_loss(policy, call) -> float:
+    """The weighted policy loss (+ KL) of one train_step call, sequence by sequence."""
+    model = ReferenceModel(policy, call.params_before)
+    name, kl_coef = call.loss.name, call.loss.kl_coef
+    assert call.loss.kl_estimator == "k3"
+    hp = dict(POLICY_LOSSES[name].defaults)
+    hp.update({k: v for k, v in call.loss.hparams.items() if v is not None})
+    lo, hi = hp.get("clip_low"), hp.get("clip_high")
+    agg = AGGREGATION[name]
+    total = kl_total = 0.0
+    sequences = tokens = 0
+    for s in call.samples:
+        lp = model.logprobs(s, call.replay_routes)
+        n = len(s.response_ids)
+        mask = s.loss_mask if s.loss_mask is not None else [1.0] * n
+        length = sum(mask)
+        if length == 0:
+            continue
+        sequences += 1
+        tokens += length
+        adv = s.advantage if isinstance(s.advantage, list) else [s.advantage] * n
+        weight = s.is_weights
+        weights = weight if isinstance(weight, list) else [1.0 if weight is None else weight] * n
+        log_r = [lp[t] - s.old_logprobs[t] for t in range(n)]
+        seq_ratio = math.exp(_clamp(sum(m * x for m, x in zip(mask, log_r, strict=True)) / length))
+        if name == "gspo":
+            total += -_ppo(seq_ratio, s.advantage, lo, hi) * weights[0]
+        elif name == "gmpo":
+            a = s.advantage
+            clipped = [min(x, hi) if a > 0 else max(x, -lo) if a < 0 else x for x in log_r]
+            mean = sum(m * x for m, x in zip(mask, clipped, strict=True)) / length
+            total += -a * math.exp(_clamp(mean)) * weights[0]
+        else:
+            terms = []
+            for t in range(n):
+                r = math.exp(_clamp(log_r[t]))
+                if name == "gspo_token":
+                    value = -_ppo(seq_ratio, adv[t], lo, hi)
+                elif name in ("grpo", "dapo", "dr_grpo"):
+                    value = -_ppo(r, adv[t], lo, hi, hp.get("clip_c"))
+                elif name == "sapo":
+                    tau = hp["tau_pos"] if adv[t] > 0 else hp["tau_neg"]
+                    value = -(4.0 / tau) / (1.0 + math.exp(-tau * (r - 1.0))) * adv[t]
+                elif name == "cispo":
+                    value = -min(r, 1.0 + hi) * adv[t] * lp[t]
+                else:
+                    raise AssertionError(f"no reference for loss {name}")
+                terms.append(mask[t] * value * weights[t])
+            total += _aggregate(agg, terms, length, hp)
+        if kl_coef:
+            kl = [mask[t] * _k3(s.ref_logprobs[t] - lp[t]) for t in range(n)]
+            kl_total += _aggregate("seq_mean" if agg == "sequence" else agg, kl, length, hp)
+    denominator = tokens if agg == "token" else sequences
+    if denominator == 0:  # every response filtered out (overlong filtering): loss 0
+        return 0.0
+    return (total + kl_coef * kl_total) / denominator
+
+
+def _aggregate(agg: str, terms: list[float], length: float, hp: dict) -> float:
+    if agg == "seq_mean":
+        return sum(terms) / length
+    if agg == "seq_constant":
+        return sum(terms) / hp["max_response_length"]
+    return sum(terms)
+
+
+def raw_is_weights(sample, level: str) -> list[float]:
+    """pi_old / pi_rollout per token, or one ratio per sequence (in a list of one)."""
+    log_w = [o - r for o, r in zip(sample.old_logprobs, sample.rollout_logprobs, strict=True)]
+    if level == "token":
+        return [math.exp(x) for x in log_w]
+    total = sum(log_w)
+    if level == "geometric":
+        total /= len(log_w)
+    return [math.exp(total)]
+
+
+def expected_is_weights(sample, alg) -> float | list[float]:
+    def correct(w: float) -> float:
+        if alg.mismatch == "tis":
+            return min(w, alg.mismatch_cap)
+        return w if alg.mismatch_lower <= w <= alg.mismatch_upper else 0.0
+
+    weights = [correct(w) for w in raw_is_weights(sample, alg.mismatch_level)]
+    return weights if alg.mismatch_level == "token" else weights[0]
+
+
+def _key(sample) -> tuple:
+    return tuple(sample.prompt_ids), tuple(sample.response_ids)
+
+
+def group_rewards(run: FakeRun, group) -> list[float]:
+    labels = {tuple(p.prompt_ids): p.label for p in run.train_data.prompts}
+    return [partial_credit(_text(run, s), str(labels[tuple(s.prompt_ids)])) for s in group]
+
+
+def expected_advantages(rewards: list[float], normalize_std: bool, eps: float) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    if not normalize_std:
+        return [r - mean for r in rewards]
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1))
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+def _step_calls(events, kind: str, engine: str | None = None) -> list:
+    return [c for k, c in events if k == kind and (engine is None or c.engine == engine)]
+
+
+def check_advantages(run: FakeRun, events) -> None:
+    alg = run.cfg.algorithm
+    estimator = alg.advantage or POLICY_LOSSES[alg.loss].advantage_estimator
+    expected: dict[tuple, float] = {}
+    for call in _step_calls(events, "generate"):
+        for group in call.groups:
+            advs = expected_advantages(
+                group_rewards(run, group), estimator == "group_mean_std", alg.advantage_eps
+            )
+            for s, a in zip(group, advs, strict=True):
+                expected[_key(s)] = a
+    for call in _step_calls(events, "train"):
+        for s in call.samples:
+            assert s.advantage == pytest.approx(expected[_key(s)], rel=1e-5, abs=1e-5)
+
+
+def check_losses(run: FakeRun, events) -> None:
+    for call in _step_calls(events, "train"):
+        assert call.metrics["loss"] == call.loss_value
+        assert call.loss_value == pytest.approx(reference_loss(run.policy, call), rel=TOL, abs=TOL)
+
+
+# -- every loss x mismatch correction ----------------------------------------------------------
+
+
+def test_reference_covers_every_registered_loss():
+    assert set(AGGREGATION) == set(POLICY_LOSSES)
+    assert {n for n, s in POLICY_LOSSES.items() if s.aggregation == "sequence"} == (
+        SEQUENCE_RATIO_LOSSES
+    )
+
+
+def test_mismatch_support_refuses_only_token_weights_for_sequence_ratio_losses():
+    for loss in POLICY_LOSSES:
+        for mode in MODES:
+            for level in LEVELS:
+                refused = mismatch_support(loss, mode, level) is not None
+                expected = loss in SEQUENCE_RATIO_LOSSES and mode != "none" and level == "token"
+                assert refused == expected, (loss, mode, level)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("loss", sorted(POLICY_LOSSES))
+def test_loss_with_mismatch_correction(composer, tokenizer, loss, mode, level):
+    overrides = (
+        f"algorithm={loss}",
+        "algorithm.dynamic_sampling=none",  # the dapo preset's; dynamic sampling is tested below
+        f"algorithm.mismatch={mode}",
+        f"algorithm.mismatch_level={level}",
+    )
+    refused = loss in SEQUENCE_RATIO_LOSSES and mode != "none" and level == "token"
+    if refused:
+        with pytest.raises(ConfigError) as err:
+            composer.resolve(*overrides)
+        message = str(err.value)
+        for key in ("algorithm.mismatch=", "algorithm.mismatch_level=token", "algorithm.loss="):
+            assert key in message
+        assert "one importance weight per sequence" in message  # the reason
+        return
+    run = run_fake(composer, tokenizer, *overrides, noise=MISMATCH_NOISE)
+    alg = run.cfg.algorithm
+    steps = run.journal.steps()
+    assert len(steps) == 2 and [s for s, _ in run.log.records] == [1, 2]
+    corrected_run = items_run = 0
+    for events, (_, metrics) in zip(steps, run.log.records, strict=True):
+        corrected = items = 0
+        (forward,) = _step_calls(events, "forward", "policy")
+        position = {id(s): i for i, s in enumerate(forward.samples)}
+        rollout_logprobs = {}
+        for call in _step_calls(events, "generate"):
+            for s in (s for g in call.groups for s in g):
+                rollout_logprobs.setdefault(_key(s), []).append(s.logprobs)
+        trains = _step_calls(events, "train")
+        samples = [s for c in trains for s in c.samples]
+        for s in samples:
+            assert s.old_logprobs == forward.result.logprobs[position[id(s)]].tolist()
+            assert s.rollout_logprobs in rollout_logprobs[_key(s)]
+            if mode == "none":
+                assert s.is_weights is None
+                continue
+            expected = expected_is_weights(s, alg)
+            if level == "token":
+                assert isinstance(s.is_weights, list) and len(s.is_weights) == len(s.response_ids)
+                assert s.is_weights == pytest.approx(expected, rel=1e-12, abs=1e-12)
+            else:
+                assert isinstance(s.is_weights, float)
+                assert s.is_weights == pytest.approx(expected, rel=1e-12)
+                expected = [expected]
+            raw = raw_is_weights(s, level)
+            items += len(raw)
+            corrected += sum(w != r for w, r in zip(expected, raw, strict=True))
+        check_losses(run, events)
+        check_advantages(run, events)
+        assert metrics["actor/loss"] == pytest.approx(np.mean([c.loss_value for c in trains]))
+        assert "reward/mean" in metrics
+        correction_keys = {
+            "mismatch/mismatch_kl",
+            "mismatch/mismatch_is_weight_mean",
+            "mismatch/mismatch_corrected_fraction",
+        }
+        if mode == "none":
+            assert not correction_keys & set(metrics)
+        else:
+            assert correction_keys <= set(metrics)
+            flat = [
+                w for s in samples for w in (s.is_weights if level == "token" else [s.is_weights])
+            ]
+            assert metrics["mismatch/mismatch_is_weight_mean"] == pytest.approx(np.mean(flat))
+            assert metrics["mismatch/mismatch_is_weight_max"] == pytest.approx(max(flat))
+            assert metrics["mismatch/mismatch_corrected_fraction"] == pytest.approx(
+                corrected / items
+            )
+        corrected_run += corrected
+        items_run += items
+    if mode != "none":  # the noise is large enough that corrections apply, but not everywhere
+        assert 0 < corrected_run < items_run
+
+
+# -- old log-probs x routing replay x KL x dynamic sampling ------------------------------------
+
+
+@pytest.mark.parametrize("dynamic", ["none", "dapo", "dupo"])
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1], ids=["kl0", "kl0.1"])
+@pytest.mark.parametrize("replay", ["off", "r2", "r3"])
+@pytest.mark.parametrize("old", ["recompute", "rollout"])
+def test_rl_options(composer, tokenizer, old, replay, kl_coef, dynamic):
+    run = run_fake(
+        composer,
+        tokenizer,
+        f"algorithm.old_logprobs={old}",
+        f"algorithm.routing_replay={replay}",
+        f"algorithm.kl_coef={kl_coef}",
+        f"algorithm.dynamic_sampling={dynamic}",
+    )
+    cfg, alg = run.cfg, run.cfg.algorithm
+    wanted, group_size = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    steps = run.journal.steps()
+    assert len(steps) == 2
+    assert [c.version for c in run.journal.calls("update_weights")] == [1, 2]
+    assert run.log.rewinds == [0] and sorted(run.checkpoints.saved) == [2]
+    assert run.watchdog.started == run.watchdog.stopped == 1
+    rollout_differs = False
+    for step, events in enumerate(steps, start=1):
+        metrics = dict(run.log.records[step - 1][1])
+        gens = _step_calls(events, "generate")
+        forwards = _step_calls(events, "forward", "policy")
+        references = _step_calls(events, "forward", "reference")
+        trains = _step_calls(events, "train")
+        samples = [s for c in trains for s in c.samples]
+
+        # Phases in order: generate (+ refills), old-policy forward, reference, minibatches, sync.
+        kinds = " ".join(k if k != "forward" else c.engine for k, c in events)
+        assert re.fullmatch(r"(generate )+(policy )?(reference )?(train )*update_weights", kinds)
+
+        # Dynamic sampling: which groups were trained, and how often.
+        groups = [g for c in gens for g in c.groups]
+        informative = [max(r) > min(r) for r in (group_rewards(run, g) for g in groups)]
+        if dynamic == "dapo":
+            rounds, found = 0, sum(informative[:wanted])
+            while found < wanted and rounds < alg.max_refill_rounds:
+                rounds += 1
+                found += sum(informative[rounds * wanted : (rounds + 1) * wanted])
+            assert len(gens) == rounds + 1
+            assert metrics["sampling/refill_rounds"] == rounds
+            kept = [g for g, keep in zip(groups, informative, strict=True) if keep][:wanted]
+            trained = Counter(_key(s) for s in samples)
+            assert trained == Counter(_key(s) for g in kept for s in g)
+        elif dynamic == "dupo":
+            assert len(gens) == 1
+            kept = [g for g, keep in zip(groups, informative, strict=True) if keep][:wanted]
+            trained = Counter(_key(s) for s in samples)
+            if not kept:  # nothing to learn from: nothing is trained, as with DAPO
+                assert not samples
+                continue
+            copies = []
+            for g in kept:
+                first = _key(g[0])
+                copies.append(trained[first] // Counter(_key(s) for s in g)[first])
+            assert trained == sum(
+                (Counter({k: c * v for k, v in Counter(_key(s) for s in g).items()})
+                 for g, c in zip(kept, copies, strict=True)),
+                Counter(),
+            )  # fmt: skip
+            assert len(samples) == wanted * group_size
+            assert min(copies) >= 1 and max(copies) - min(copies) <= 1
+        else:
+            assert len(gens) == 1
+            assert Counter(_key(s) for s in samples) == Counter(_key(s) for g in groups for s in g)
+        assert metrics["sampling/groups_used"] * group_size == len(samples)
+
+        # Optimizer steps per RL step, and the minibatches' partition of the batch.
+        assert len(trains) == min(alg.num_minibatches, len(samples))
+        assert metrics["actor/optimizer_steps"] == len(trains)
+        sizes = [len(c.samples) for c in trains]
+        assert not sizes or max(sizes) - min(sizes) <= 1
+        if forwards:
+            assert sorted(map(id, samples)) == sorted(map(id, forwards[0].samples))
+
+        # Old log-probs, routes and the replay flag.
+        if not samples:
+            assert not forwards and not references
+            continue
+        model = ReferenceModel(run.policy, trains[0].params_before)
+        needs_forward = old == "recompute" or replay == "r2"
+        assert len(forwards) == int(needs_forward)
+        if forwards:
+            (forward,) = forwards
+            position = {id(s): i for i, s in enumerate(forward.samples)}
+            assert forward.record_routes == (replay == "r2" or old == "recompute")
+            assert forward.replay_routes == (replay == "r3")
+        generated = {}
+        for s in (s for g in groups for s in g):
+            generated.setdefault(_key(s), []).append(s)
+        for s in samples:
+            exact = model.logprobs(s, replay == "r3")
+            if old == "recompute":
+                assert s.old_logprobs == forward.result.logprobs[position[id(s)]].tolist()
+                assert s.old_logprobs == pytest.approx(exact, rel=1e-12, abs=1e-12)
+            else:
+                assert s.old_logprobs == s.rollout_logprobs
+                assert s.rollout_logprobs in [g.logprobs for g in generated[_key(s)]]
+                rollout_differs |= not np.allclose(s.old_logprobs, exact, rtol=0, atol=1e-6)
+            if replay == "r3":
+                assert np.array_equal(s.routed_experts, generated[_key(s)][0].routed_experts)
+            elif forwards:  # r2; off records routes for the route metrics when it runs anyway
+                assert np.array_equal(s.routed_experts, forward.result.routes[position[id(s)]])
+            else:
+                assert s.routed_experts is None
+        assert {c.replay_routes for c in trains} == {replay != "off"}
+        if replay == "r3":  # the rollout routes differently: R2 and R3 are told apart
+            assert any(model.logprobs(s, False) != model.logprobs(s, True) for s in samples)
+
+        # KL to the initial policy.
+        if kl_coef:
+            (reference,) = references
+            ref_position = {id(s): i for i, s in enumerate(reference.samples)}
+            for s in samples:
+                assert s.ref_logprobs == reference.result.logprobs[ref_position[id(s)]].tolist()
+            assert all("kl_ref" in c.metrics for c in trains)
+            if step == 1:
+                if replay != "r3":  # R3: test_kl_reference_starts_at_zero_under_r3
+                    assert trains[0].metrics["kl_ref"] == 0.0
+                initial = trains[0].params_before
+                assert all((run.reference.state_dict()[k] == v).all() for k, v in initial.items())
+        else:
+            assert not references and all(s.ref_logprobs is None for s in samples)
+            assert all("kl_ref" not in c.metrics for c in trains)
+        check_losses(run, events)
+        check_advantages(run, events)
+    if old == "rollout":
+        assert rollout_differs  # the rollout's log-probs are not the policy's
+
+
+# -- refusals, model kinds, metrics, resume --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "keys", "reason"),
+    [
+        (
+            ("model=tiny_dense", "algorithm.routing_replay=r2"),
+            ["algorithm.routing_replay"],
+            "needs a Mixture-of-Experts model",
+        ),
+        (
+            ("model=tiny_dense", "algorithm.routing_replay=r3"),
+            ["algorithm.routing_replay"],
+            "needs a Mixture-of-Experts model",
+        ),
+        (
+            ("algorithm.mismatch=tis", "algorithm.old_logprobs=rollout"),
+            ["algorithm.mismatch=tis", "algorithm.old_logprobs=recompute"],
+            "no train/rollout mismatch to correct",
+        ),
+        (
+            ("algorithm.dynamic_sampling=dapo_v2",),
+            ["algorithm.dynamic_sampling='dapo_v2'"],
+            "is not one of ['none', 'dapo', 'dupo']",
+        ),
+        (
+            ("algorithm.num_minibatches=3",),
+            ["algorithm.num_minibatches=3", "rollout.prompts_per_step*group_size = 16"],
+            "must split evenly",
+        ),
+    ],
+    ids=["dense-r2", "dense-r3", "mismatch-with-rollout-logprobs", "unknown-sampling", "uneven"],
+)
+def test_refused_combinations_name_their_keys(composer, overrides, keys, reason):
+    with pytest.raises(ConfigError) as err:
+        composer.resolve(*overrides)
+    for key in (*keys, reason):
+        assert key in str(err.value)
+
+
+@pytest.mark.parametrize("old", ["recompute", "rollout"])
+def test_dense_model_has_no_routes(composer, tokenizer, old):
+    run = run_fake(composer, tokenizer, "model=tiny_dense", f"algorithm.old_logprobs={old}")
+    assert not run.policy.model_config.is_moe
+    for events in run.journal.steps():
+        forwards = _step_calls(events, "forward", "policy")
+        assert len(forwards) == int(old == "recompute")
+        assert all(f.result.routes is None for f in forwards)
+        trains = _step_calls(events, "train")
+        assert all(s.routed_experts is None for c in trains for s in c.samples)
+        assert all(not c.replay_routes for c in trains)
+        check_losses(run, events)
+    assert not any(k.startswith("moe/") for _, m in run.log.records for k in m)
+
+
+def test_routes_are_not_recorded_without_route_metrics(composer, tokenizer):
+    run = run_fake(composer, tokenizer, "logging.moe_route_metrics=false")
+    for events in run.journal.steps():
+        (forward,) = _step_calls(events, "forward", "policy")
+        assert not forward.record_routes and forward.result.routes is None
+        assert all(
+            s.routed_experts is None for c in _step_calls(events, "train") for s in c.samples
+        )
+
+
+def test_step_metrics(composer, tokenizer):
+    run = run_fake(
+        composer, tokenizer, "algorithm.mismatch=tis", "algorithm.mismatch_level=sequence"
+    )
+    for events, (_, metrics) in zip(run.journal.steps(), run.log.records, strict=True):
+        trains = _step_calls(events, "train")
+        rewards = [r for c in _step_calls(events, "generate") for g in c.groups
+                   for r in group_rewards(run, g)]  # fmt: skip
+        assert metrics["reward/mean"] == pytest.approx(np.mean(rewards), rel=1e-6)
+        assert metrics["actor/loss"] == pytest.approx(np.mean([c.loss_value for c in trains]))
+        assert metrics["actor/lr"] == run.policy.lr
+        for key in ("actor/clip_fraction", "actor/grad_norm", "actor/entropy",
+                    "mismatch/logprob_abs_diff_mean", "mismatch/mismatch_kl",
+                    "moe/max_expert_load_over_mean", "moe/route_change_fraction",
+                    "moe/route_change_fraction_after_1_updates", "time/train",
+                    "sampling/groups_zero_variance", "response/length_mean"):  # fmt: skip
+            assert key in metrics, key
+        assert "actor/num_microbatches" not in metrics and "actor/skipped" not in metrics
+    assert run.log.summaries == [run.last] and run.last == run.log.records[-1][1]
+
+
+def test_resume_repeats_the_uninterrupted_run(composer, tokenizer):
+    whole = run_fake(composer, tokenizer, "trainer.steps=3", "algorithm.kl_coef=0.1")
+    store = MemoryCheckpoints()
+    run_fake(composer, tokenizer, "trainer.steps=1", "algorithm.kl_coef=0.1", checkpoints=store)
+    resumed = run_fake(
+        composer, tokenizer, "trainer.steps=3", "algorithm.kl_coef=0.1", checkpoints=store
+    )
+    assert resumed.log.rewinds == [1]
+    assert [c.version for c in resumed.journal.calls("update_weights")] == [1, 2, 3]
+    assert [s for s, _ in resumed.log.records] == [2, 3]
+    for (_, a), (_, b) in zip(whole.log.records[1:], resumed.log.records, strict=True):
+        for key in ("actor/loss", "reward/mean", "actor/kl_ref", "actor/grad_norm"):
+            assert a[key] == b[key], key
+    for key, value in whole.policy.state_dict().items():
+        assert (resumed.policy.state_dict()[key] == value).all()
+
+
+def test_evaluation(composer, tokenizer):
+    run = run_fake(
+        composer,
+        tokenizer,
+        "data.num_eval=8",
+        "rollout.eval_prompts=6",
+        "rollout.eval_samples=2",
+        "trainer.eval_every=1",
+    )
+    evals = [c for c in run.journal.calls("generate") if c.params.temperature == 0]
+    assert [(len(c.prompts), c.n) for c in evals] == [(6, 2), (6, 2)]  # after steps 1 and 2
+    for call, (_, metrics) in zip(evals, run.log.records, strict=True):
+        labels = {tuple(p.prompt_ids): p.label for p in run.trainer.eval_data.prompts}
+        rewards = [
+            [partial_credit(_text(run, s), str(labels[tuple(s.prompt_ids)])) for s in g]
+            for g in call.groups
+        ]
+        assert metrics["eval/avg@2"] == pytest.approx(np.mean(rewards), rel=1e-6)
+        assert metrics["eval/pass@1"] == np.mean([r >= 1.0 for g in rewards for r in g])
+        assert metrics["eval/pass@2"] == np.mean([max(g) >= 1.0 for g in rewards])
+
+
+def _text(run: FakeRun, sample) -> str:
+    ids = sample.response_ids
+    if sample.finish_reason == "stop" and ids[-1] == run.tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return run.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("old", ["recompute", "rollout"])
+def test_kl_reference_starts_at_zero_under_r3(composer, tokenizer, old):
+    run = run_fake(
+        composer,
+        tokenizer,
+        "algorithm.routing_replay=r3",
+        "algorithm.kl_coef=0.1",
+        f"algorithm.old_logprobs={old}",
+        "trainer.steps=1",
+    )
+    first = run.journal.calls("train")[0]
+    assert first.metrics["kl_ref"] == 0.0
+
+
+def test_fast_composition_matches_hydra(composer):
+    cases = [
+        ("algorithm=dapo", "algorithm.mismatch=tis", "algorithm.kl_coef=0.1",
+         "algorithm.routing_replay=off", "seed=3"),
+        ("model=tiny_dense", "algorithm.mismatch_level=geometric", "optimizer.lr=0"),
+    ]  # fmt: skip
+    for overrides in cases:
+        assert composer.raw(*SMALL, *overrides) == composer.full(*SMALL, *overrides)
+    with pytest.raises(Exception, match="no_such_key"):
+        composer.raw("algorithm.no_such_key=1")
+
+
+def test_no_megatron_core_import():
+    if _MEGATRON_ALREADY_IMPORTED:
+        pytest.skip("another test module imported megatron-core first")
+    assert "megatron.core" not in sys.modules
