@@ -23,8 +23,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 from experiments import DEFAULT_SEEDS, DEFAULT_STEPS, EXPERIMENTS, METHODS  # noqa: E402
+from plot_metrics import smooth  # noqa: E402
 
 LAST_STEPS = 30  # "final" training values: mean over the last 30 steps
 LAST_EVALS = 3  # "final" held-out values: mean over the last 3 evaluations
@@ -46,16 +48,6 @@ def run_complete(directory: Path, steps: int) -> bool:
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     points = [(r["step"], float(r[key])) for r in records if key in r and _finite(r[key])]
     return [p[0] for p in points], [p[1] for p in points]
-
-
-def smooth(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def run_summary(records: list[dict]) -> dict[str, float | None]:

@@ -43,15 +43,22 @@ def initialize(layout: ParallelLayout, seed: int, *, timeout_s: float = 600.0) -
             timeout=timedelta(seconds=timeout_s),
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-            context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.etp,
-        )
+        initialize_model_parallel(layout)
     seed_everything(seed)
+
+
+def initialize_model_parallel(layout: ParallelLayout, **options) -> None:
+    """megatron's parallel groups for `layout` on the existing default process group; `options`
+    go to megatron's `initialize_model_parallel` as they are."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        **options,
+    )
 
 
 def seed_everything(seed: int) -> None:

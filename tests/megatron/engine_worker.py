@@ -64,10 +64,9 @@ def engine_for(
     **engine_kw,
 ) -> TrainingEngine:
     model = load_preset("tiny_moe")
-    if aux:
-        engine_kw.update(moe_aux_loss="aux_loss", moe_aux_loss_coef=aux)
     settings = EngineSettings(max_sequence_length=40, max_tokens_per_microbatch=tokens, **engine_kw)
-    return TrainingEngine(model, layout, settings, optimizer, decay_steps=10)
+    aux_loss = {"moe_aux_loss": "aux_loss", "moe_aux_loss_coef": aux} if aux else {}
+    return TrainingEngine(model, layout, settings, optimizer, decay_steps=10, **aux_loss)
 
 
 def with_old(batch, logprobs, scale=0.05, seed=5):

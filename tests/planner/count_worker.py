@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
+from gspo_megatron.megatron import parallel  # noqa: E402
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config  # noqa: E402
 from gspo_megatron.spec.layout import ParallelLayout  # noqa: E402
 from gspo_megatron.spec.model_config import load_preset  # noqa: E402
@@ -37,15 +38,7 @@ def count(preset: str, layout: ParallelLayout, rank: int) -> dict:
     model = load_preset(preset)
     dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
     try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-            context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.etp,
-            create_gloo_process_groups=False,
-        )
+        parallel.initialize_model_parallel(layout, create_gloo_process_groups=False)
         config = dataclasses.replace(
             transformer_config(model, layout), perform_initialization=False
         )
