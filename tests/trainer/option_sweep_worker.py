@@ -42,18 +42,19 @@ KEYS = (
     "actor/kl_ref",
     "actor/optimizer_steps",
     "reward/mean",
+    "sampling/groups_used",
     "moe/max_expert_load_over_mean",
 )
 
 
 def mismatch_sweep() -> list[list[str]]:
+    """Each loss through its preset (conf/algorithm/<loss>.yaml: the paper's hyper-parameters)."""
     combos = []
     for loss in sorted(POLICY_LOSSES):
-        # The loss's paper hyper-parameters, not those of the default preset (gspo's).
-        combos.append([f"algorithm.loss={loss}", "algorithm.hparams={}", "algorithm.mismatch=none"])
+        combos.append([f"algorithm={loss}", "algorithm.mismatch=none"])
         for mode, level in itertools.product(("tis", "mis"), ("token", "sequence", "geometric")):
             combos.append(
-                [f"algorithm.loss={loss}", "algorithm.hparams={}", f"algorithm.mismatch={mode}",
+                [f"algorithm={loss}", f"algorithm.mismatch={mode}",
                  f"algorithm.mismatch_level={level}"]
             )  # fmt: skip
     return combos
