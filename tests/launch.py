@@ -42,26 +42,37 @@ def run_worker(
     `env` adds to (or overrides) this process's environment. Fails the test with the worker's
     output when its exit status is not the expected one.
     """
+    proc = start_worker(script, args, nproc=nproc, env=env)
+    return finish_worker(proc, timeout=timeout, expect_failure=expect_failure)
+
+
+def start_worker(
+    script: str | Path, args: list[str], nproc: int = 1, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """A worker started in the background (`finish_worker` collects it): workers that do not
+    depend on each other run side by side on the machine's cores."""
     base = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env = {**os.environ, **base, **(env or {})}
-    if nproc > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={nproc}",
-            f"--master-port={free_port()}",
-            str(script),
-            *args,
-        ]
-    else:
-        cmd = [sys.executable, str(script), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    failed = proc.returncode != 0
-    if failed != expect_failure:
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        pytest.fail(f"{script} {' '.join(args)} exited {proc.returncode}:\n{tail}")
+    cmd = python_command([str(script), *args], nproc=nproc)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
+    )
+
+
+def finish_worker(
+    proc: subprocess.Popen, timeout: float = 600, expect_failure: bool = False
+) -> list[dict]:
+    """The JSON lines a started worker printed, once it has exited as expected."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(proc.args)} ran past {timeout} s:\n{(stdout + stderr)[-6000:]}")
+    lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+    if (proc.returncode != 0) != expect_failure:
+        tail = (stdout + stderr)[-6000:]
+        pytest.fail(f"{' '.join(proc.args)} exited {proc.returncode}:\n{tail}")
     return lines
 
 

@@ -1,4 +1,5 @@
-"""A one-node Slurm cluster on localhost for tests (docs/ARCHITECTURE.md §5), installed with apt if missing.
+"""A one-node Slurm cluster on localhost for tests (docs/ARCHITECTURE.md §5), installed with apt
+if missing.
 
 Debian's slurmctld, slurmd, slurm-client and munge (Slurm 22.05) run as root without systemd:
 munged as the munge user, then slurmctld, then `slurmd -N localhost`. The cluster gets its own

@@ -1,4 +1,5 @@
-"""A stand-in for `sacct` on a cluster without accounting (our test cluster, docs/ARCHITECTURE.md §5).
+"""A stand-in for `sacct` on a cluster without accounting (our test cluster; docs/ARCHITECTURE.md
+§5).
 
 submitit polls `sacct -o JobID,State,NodeList --parsable2 -j ID ...` for job states; without an
 accounting database sacct fails and submitit cannot tell a failed job from a running one. This

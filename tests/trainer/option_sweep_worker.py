@@ -5,7 +5,9 @@ it, and handed to `gspo_megatron.train.run_composed` (validate, build, train 2 s
 close). One JSON line per combination: refused (the config error), failed (the error line), or
 trained (a few metrics of each step).
 
-    python tests/trainer/option_sweep_worker.py --sweep mismatch|sampling --out DIR
+    python tests/trainer/option_sweep_worker.py --sweep mismatch|sampling|all [--part I/N] --out DIR
+
+`--part I/N` runs every N-th combination from the I-th, so that N processes can share a sweep.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def sampling_sweep() -> list[list[str]]:
     ]  # fmt: skip
 
 
+SWEEPS = {"mismatch": mismatch_sweep, "sampling": sampling_sweep}
+
+
 def run_one(overrides: list[str], run_dir: Path) -> dict:
     raw = compose(SMALL + overrides)
     # Each run starts its own one-process group on a fresh port, as a new gspo-train would.
@@ -90,17 +95,22 @@ def run_one(overrides: list[str], run_dir: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", choices=("mismatch", "sampling"), required=True)
+    parser.add_argument("--sweep", choices=(*SWEEPS, "all"), required=True)
+    parser.add_argument("--part", default="0/1")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    part, parts = (int(x) for x in args.part.split("/"))
     _quiet_libraries()
     # megatron's distributed optimizer runs gc.collect() on every save; objects alive now are
     # never garbage, so leave them out of those collections.
     gc.collect()
     gc.freeze()
-    combos = mismatch_sweep() if args.sweep == "mismatch" else sampling_sweep()
-    for i, overrides in enumerate(combos):
-        print(json.dumps(run_one(overrides, args.out / f"run{i:03d}")), flush=True)
+    names = SWEEPS if args.sweep == "all" else (args.sweep,)
+    combos = [(name, combo) for name in names for combo in SWEEPS[name]()]
+    for i, (name, overrides) in enumerate(combos):
+        if i % parts == part:
+            result = run_one(overrides, args.out / f"run{i:03d}")
+            print(json.dumps({"sweep": name, **result}), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from trainer.fakes import ConfigComposer
 
 from gspo_megatron.config import ConfigError, compose, resolve
 from gspo_megatron.memory_plan import plan, settings_from_config
 
+COMPOSER = ConfigComposer()  # config.compose's result, each preset composed once
+
 
 def resolved(*overrides: str):
-    return resolve(compose(list(overrides)), 1)
+    return resolve(COMPOSER.raw(*overrides), 1)
 
 
 @pytest.mark.parametrize(
@@ -114,7 +117,7 @@ def test_every_constrained_field_is_refused_naming_its_own_key():
     for key, f in fields:
         override = f"{key}={_invalid(f)}"
         with pytest.raises(ConfigError) as err:
-            resolve(compose([override]), 1)
+            resolved(override)
         message = str(err.value)
         assert message.startswith(key), (override, message)
         for named in re.findall(KEY, message):

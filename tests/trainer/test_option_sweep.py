@@ -12,14 +12,26 @@ import math
 from pathlib import Path
 
 import pytest
-from launch import run_worker
+from launch import finish_worker, start_worker
 
 WORKER = Path(__file__).resolve().parent / "option_sweep_worker.py"
 SEQUENCE_RATIO_LOSSES = {"gspo", "gmpo"}
+PROCESSES = 1  # one worker: two side by side on two cores took longer (gloo threads contend)
 
 
-def sweep(name: str, out: Path) -> list[dict]:
-    return run_worker(WORKER, ["--sweep", name, "--out", str(out)], timeout=900)
+@pytest.fixture(scope="module")
+def sweeps(tmp_path_factory) -> dict[str, list[dict]]:
+    """Both sweeps' results by sweep name."""
+    out = tmp_path_factory.mktemp("sweeps")
+    started = [
+        start_worker(WORKER, ["--sweep", "all", "--part", f"{i}/{PROCESSES}", "--out", str(out)])
+        for i in range(PROCESSES)
+    ]
+    results: dict[str, list[dict]] = {"mismatch": [], "sampling": []}
+    for proc in started:
+        for result in finish_worker(proc, timeout=900):
+            results[result.pop("sweep")].append(result)
+    return results
 
 
 def settings(result: dict) -> dict[str, str]:
@@ -46,9 +58,9 @@ def assert_trained(result: dict) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_loss_mismatch_level_sweep(tmp_path):
+def test_loss_mismatch_level_sweep(sweeps):
     """Every loss x mismatch {none, tis, mis} x level {token, sequence, geometric}."""
-    results = sweep("mismatch", tmp_path)
+    results = sweeps["mismatch"]
     assert len(results) == 8 * 7
     refused = []
     for result in results:
@@ -66,10 +78,10 @@ def test_loss_mismatch_level_sweep(tmp_path):
 
 
 @pytest.mark.slow
-def test_old_logprobs_replay_kl_sampling_sweep(tmp_path):
+def test_old_logprobs_replay_kl_sampling_sweep(sweeps):
     """old_logprobs {recompute, rollout} x routing_replay {off, r2, r3} x kl_coef {0, 0.1} x
     dynamic_sampling {none, dapo, dupo}: all train."""
-    results = sweep("sampling", tmp_path)
+    results = sweeps["sampling"]
     assert len(results) == 2 * 3 * 2 * 3
     for result in results:
         s = settings(result)

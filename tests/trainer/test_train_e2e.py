@@ -189,9 +189,8 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["algorithm=dapo"],  # dynamic sampling with refills, overlong filtering, token mean
+        # (every loss preset, dynamic sampling and routing replay also run in test_option_sweep.py)
         ["algorithm=dupo"],  # duplication of informative groups, solved-prompt pre-filter
-        ["algorithm.routing_replay=r3"],  # the rollout engine's routes replayed
         [
             "algorithm=grpo",
             "algorithm.routing_replay=r2",
@@ -201,19 +200,18 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
             "algorithm.num_minibatches=1",
         ],  # recorded routes, TIS weights per sequence, KL to the initial policy
     ],
-    ids=["dapo", "dupo", "r3", "grpo-r2-tis-kl"],
+    ids=["dupo", "grpo-r2-tis-kl"],
 )
 def test_algorithm_options_run(tmp_path, overrides):
     train(tmp_path, "trainer.steps=2", "trainer.eval_every=0", *overrides)
     records = metrics(tmp_path)
     assert len(records) == 2
-    assert "actor/loss" in records[-1] or records[-1]["actor/skipped_steps"] > 0
+    for record in records:  # trained, or dynamic sampling found nothing to learn from
+        assert "actor/loss" in record or record["sampling/groups_used"] == 0, record
     if "algorithm.kl_coef=0.01" in overrides:
         # The reference is the initial policy: step 1's only minibatch trains from it.
         assert records[0]["actor/kl_ref"] == 0.0
         assert records[1]["actor/kl_ref"] > 0.0
-    if "algorithm=dapo" in overrides:
-        assert records[-1]["sampling/groups_generated"] >= records[-1]["sampling/groups_used"]
 
 
 def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
