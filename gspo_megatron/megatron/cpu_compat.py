@@ -79,7 +79,11 @@ def apply(*, emulate_device: bool = False) -> bool:
         return False
     if not _applied:
         _stub_triton_only_modules()
-        _after_import("megatron.core", lambda: (_patch_megatron(), _fix_optimizer_fallback_path()))
+        _after_import(
+            "megatron.core",
+            lambda: (_patch_megatron(), _fix_optimizer_fallback_path()),
+            before=_compile_nothing_during_import,
+        )
     _applied = True
     _emulating = emulate_device
     _redirect_torch_cuda()
@@ -87,11 +91,13 @@ def apply(*, emulate_device: bool = False) -> bool:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a callback once a given module has finished executing on its first import."""
+    """Runs a callback once a given module has finished executing on its first import, and
+    optionally a context manager around that execution."""
 
-    def __init__(self, name: str, callback) -> None:
+    def __init__(self, name: str, callback, before=contextlib.nullcontext) -> None:
         self.name = name
         self.callback = callback
+        self.before = before
 
     def find_spec(self, fullname, path, target=None):
         if fullname != self.name:
@@ -101,18 +107,19 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return spec
         original = spec.loader.exec_module
-        callback = self.callback
+        callback, before = self.callback, self.before
 
         def exec_module(module):
-            original(module)
+            with before():
+                original(module)
             callback()
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-def _after_import(name: str, callback) -> None:
-    sys.meta_path.insert(0, _AfterImport(name, callback))
+def _after_import(name: str, callback, before=contextlib.nullcontext) -> None:
+    sys.meta_path.insert(0, _AfterImport(name, callback, before))
 
 
 class _RefuseBeforeApply(importlib.abc.MetaPathFinder):
@@ -152,6 +159,24 @@ def _stub_triton_only_modules() -> None:
     stub.paged_stash_pop_kernel = _unavailable
     stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
     sys.modules[name] = stub
+
+
+@contextlib.contextmanager
+def _compile_nothing_during_import():
+    # megatron applies torch.compile at import time (its fused bias/activation kernels, the
+    # inference router), which imports dynamo and inductor: 2.7 s of every process's start on
+    # these machines, for functions that run eagerly on CPU (compiling them would also need a C
+    # compiler at the first call). Only the decorations made while megatron.core imports are
+    # affected.
+    def run_eagerly(model=None, **options):
+        return model if model is not None else (lambda function: function)
+
+    compile_ = torch.compile
+    torch.compile = run_eagerly
+    try:
+        yield
+    finally:
+        torch.compile = compile_
 
 
 class _NullStream:
