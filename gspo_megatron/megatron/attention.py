@@ -1,10 +1,12 @@
 """Core attention for machines without transformer-engine, with context parallelism.
 
 megatron-core's local `DotProductAttention` refuses context parallelism (only TE's attention
-implements it). This module takes its place in the local layer spec: causal attention through
-`torch.nn.functional.scaled_dot_product_attention`, and under CP it all-gathers keys and values
-over the CP group and masks by the global positions of megatron's load-balanced layout (rank r
-holds sequence chunks r and 2*cp-1-r of 2*cp equal chunks).
+implements it), and packed sequences (THD). This module takes its place in the local layer
+spec: causal attention through `torch.nn.functional.scaled_dot_product_attention`; under CP it
+all-gathers keys and values over the CP group and masks by the global positions of megatron's
+load-balanced layout (rank r holds sequence chunks r and 2*cp-1-r of 2*cp equal chunks, of every
+packed sequence separately). Packed sequences are attended one at a time, so attention never
+crosses a sequence boundary and no [T, T] mask is built.
 """
 
 from __future__ import annotations
@@ -92,20 +94,18 @@ class LocalCoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("LocalCoreAttention supports neither packed sequences nor biases")
-        # [s, b, heads, d] -> [b, heads, s, d]
-        sq, batch, heads, _ = query.shape
+        if attention_bias is not None:
+            raise ValueError("LocalCoreAttention does not support attention biases")
         cp_size = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        cp_rank = dist.get_rank(self.cp_group) if cp_size > 1 else 0
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, cp_size, cp_rank)
+        # [s, b, heads, d]
+        sq = query.shape[0]
         if cp_size > 1:
-            cp_rank = dist.get_rank(self.cp_group)
             key = _GatherSequence.apply(key, self.cp_group)
             value = _GatherSequence.apply(value, self.cp_group)
-            q_pos = cp_chunk_positions(sq, cp_rank, cp_size, query.device)
-            k_pos = torch.cat(
-                [cp_chunk_positions(sq, r, cp_size, query.device) for r in range(cp_size)]
-            )
-            mask = k_pos[None, :] <= q_pos[:, None]
+            mask = _cp_causal_mask(sq, cp_rank, cp_size, query.device)
         elif key.shape[0] != sq:
             # Decoding with a KV cache: the queries are the last sq of sk positions.
             offset = key.shape[0] - sq
@@ -113,6 +113,46 @@ class LocalCoreAttention(MegatronModule):
             mask = torch.arange(key.shape[0], device=query.device)[None, :] <= q_pos[:, None]
         else:
             mask = None
+        return self._attend(query, key, value, mask)
+
+    def _packed(self, query, key, value, params, cp_size: int, cp_rank: int) -> torch.Tensor:
+        """THD: [t, heads, d] with sequences end to end (this CP rank's chunks of each)."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"packed sequences in format {params.qkv_format!r}; expected 'thd'")
+        boundaries = params.cu_seqlens_q_padded
+        if boundaries is None:
+            boundaries = params.cu_seqlens_q
+        lengths = [n // cp_size for n in (boundaries[1:] - boundaries[:-1]).tolist()]
+        if sum(lengths) != query.shape[0]:
+            raise ValueError(
+                f"packed sequences cover {sum(lengths)} tokens of this rank, the input has "
+                f"{query.shape[0]}"
+            )
+        if cp_size > 1:
+            key = _GatherSequence.apply(key, self.cp_group)
+            value = _GatherSequence.apply(value, self.cp_group)
+        outputs, start = [], 0
+        for length in lengths:
+            q = query[start : start + length, None]
+            if cp_size > 1:
+                # Rank r's chunks of this sequence sit at the same offset of its part.
+                local = query.shape[0]
+                k = torch.cat(
+                    [key[r * local + start : r * local + start + length] for r in range(cp_size)]
+                )
+                v = torch.cat(
+                    [value[r * local + start : r * local + start + length] for r in range(cp_size)]
+                )
+                mask = _cp_causal_mask(length, cp_rank, cp_size, query.device)
+            else:
+                k, v, mask = key[start : start + length], value[start : start + length], None
+            outputs.append(self._attend(q, k[:, None], v[:, None], mask))
+            start += length
+        return torch.cat(outputs)
+
+    def _attend(self, query, key, value, mask) -> torch.Tensor:
+        """[s, b, heads, d] queries, [sk, b, groups, d] keys and values -> [s, b, heads * d]."""
+        sq, batch, heads, _ = query.shape
         groups = key.shape[2]
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
@@ -125,3 +165,12 @@ class LocalCoreAttention(MegatronModule):
         )
         # [b, heads, s, d] -> [s, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * self.head_dim)
+
+
+def _cp_causal_mask(local_length: int, cp_rank: int, cp_size: int, device) -> torch.Tensor:
+    """Causal mask of this rank's queries over every rank's keys (gathered in rank order)."""
+    q_pos = cp_chunk_positions(local_length, cp_rank, cp_size, device)
+    k_pos = torch.cat(
+        [cp_chunk_positions(local_length, r, cp_size, device) for r in range(cp_size)]
+    )
+    return k_pos[None, :] <= q_pos[:, None]

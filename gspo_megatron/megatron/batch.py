@@ -1,13 +1,23 @@
-"""Variable-length prompt+response sequences -> padded micro-batches for megatron.
+"""Variable-length prompt+response sequences -> micro-batches for megatron, padded or packed.
 
 Layout conventions (every per-token array is aligned with the *label* position): position t of a
-micro-batch holds input token x_t and predicts label x_{t+1}; `loss_mask[t]` is 1 when x_{t+1} is
+sequence holds input token x_t and predicts label x_{t+1}; `loss_mask[t]` is 1 when x_{t+1} is
 a response token; old/reference/rollout log-probs and token advantages at t belong to x_{t+1}.
-Sequences are right-padded, so causal attention never lets a real token see padding.
+
+A micro-batch has two layouts. The *model layout* is what the model sees: padded, [b, s] rows
+right-padded to one length; packed, one [1, T] row of the sequences end to end, with their
+boundaries (`cu_seqlens`) given to attention and RoPE as megatron's THD format. The *row layout*
+is what the loss sees: one row per sequence, [b, s_row]. Padding inside a packed sequence (to the
+multiple context parallelism needs) is the tail of that sequence, so causal attention never lets
+a real token see it, and the boundaries with and without that padding are the same.
+Under context parallelism every sequence is cut into 2*cp chunks and a rank holds chunks r and
+2*cp-1-r of each (megatron's load balance, per sequence for THD).
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -18,23 +28,41 @@ from gspo_megatron.spec.sample import TrainSample
 
 @dataclass
 class MicroBatch:
-    """Padded tensors for one micro-batch, already split for this CP rank."""
+    """One micro-batch, already split for this CP rank.
+
+    Model layout: tokens, position_ids, labels, has_label, routed_experts. Row layout: loss_mask,
+    advantages, old/ref log-probs, is_weights. `row_index` maps the flattened model layout to
+    the row layout (None when both are the same, i.e. padded).
+    """
 
     indices: list[int]  # positions of the samples in the caller's list
-    tokens: torch.Tensor  # [b, s] int64
-    position_ids: torch.Tensor  # [b, s]
-    labels: torch.Tensor  # [b, s]
-    loss_mask: torch.Tensor  # [b, s] float32, 1 on response labels
-    has_label: torch.Tensor  # [b, s] bool, True where a next token exists (t < length - 1)
-    advantages: torch.Tensor  # [b] or [b, s] float32
-    old_logprobs: torch.Tensor | None = None  # [b, s]
+    tokens: torch.Tensor  # [b, s] or [1, T] int64
+    position_ids: torch.Tensor  # like tokens; restart at 0 in every sequence
+    labels: torch.Tensor  # like tokens
+    has_label: torch.Tensor  # like tokens, bool: True where a next token exists
+    loss_mask: torch.Tensor  # [b, s_row] float32, 1 on response labels
+    advantages: torch.Tensor  # [b] or [b, s_row] float32
+    seq_lengths: torch.Tensor  # [b] int64: each sequence's length with its padding, before CP
+    row_index: torch.Tensor | None = None  # [b, s_row] int64 into the flat model layout; T = none
+    cu_seqlens: torch.Tensor | None = None  # [b + 1] int32, packed only (global positions)
+    max_seqlen: int = 0  # longest sequence with its padding, packed only
+    old_logprobs: torch.Tensor | None = None  # [b, s_row]
     ref_logprobs: torch.Tensor | None = None
-    is_weights: torch.Tensor | None = None  # [b, s], or [b] (one weight per sequence)
-    routed_experts: torch.Tensor | None = None  # [b, s, layers, top_k] int32 (CP-local)
+    is_weights: torch.Tensor | None = None  # [b, s_row], or [b] (one weight per sequence)
+    routed_experts: torch.Tensor | None = None  # model layout + [layers, top_k] int32
 
     @property
-    def num_tokens(self) -> int:
-        return self.tokens.numel()
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Model-layout values ([b, s, ...] or [1, T, ...]) in the row layout; zeros past a
+        sequence's end. Differentiable."""
+        if self.row_index is None:
+            return values
+        flat = values.reshape((-1,) + tuple(values.shape[2:]))
+        flat = torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))])
+        return flat[self.row_index]
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
         """A copy with `fn` applied to every tensor."""
@@ -50,21 +78,23 @@ class MicroBatch:
         return self.map(lambda t: t.to(device, non_blocking=t.is_pinned()))
 
 
-def split_for_data_parallel(
-    samples: Sequence[TrainSample], dp_size: int, dp_rank: int
-) -> list[int]:
-    """Indices of the samples this DP rank trains on: greedy balance of token counts.
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def split_for_data_parallel(lengths: Sequence[int], dp_size: int, dp_rank: int) -> list[int]:
+    """Indices of the sequences this DP rank trains on: greedy balance of token counts.
 
     Deterministic for a given input, so every rank of a TP/CP/PP group picks the same samples.
     """
-    order = sorted(range(len(samples)), key=lambda i: (-samples[i].length, i))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     loads = [0] * dp_size
-    owner = [0] * len(samples)
+    owner = [0] * len(lengths)
     for i in order:
         rank = min(range(dp_size), key=lambda r: (loads[r], r))
         owner[i] = rank
-        loads[rank] += samples[i].length
-    return [i for i in range(len(samples)) if owner[i] == dp_rank]
+        loads[rank] += lengths[i]
+    return [i for i in range(len(lengths)) if owner[i] == dp_rank]
 
 
 def plan_microbatches(lengths: Sequence[int], max_tokens: int, multiple: int) -> list[list[int]]:
@@ -78,7 +108,7 @@ def plan_microbatches(lengths: Sequence[int], max_tokens: int, multiple: int) ->
     current: list[int] = []
     current_len = 0
     for i in order:
-        padded = _round_up(max(current_len, lengths[i]), multiple)
+        padded = padded_length(max(current_len, lengths[i]), multiple)
         if current and padded * (len(current) + 1) > max_tokens:
             groups.append(current)
             current, current_len = [], 0
@@ -87,6 +117,124 @@ def plan_microbatches(lengths: Sequence[int], max_tokens: int, multiple: int) ->
     if current:
         groups.append(current)
     return groups
+
+
+def karmarkar_karp(costs: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of `costs` in `parts` groups of nearly equal sums: the largest differencing
+    method (Karmarkar and Karp, 1982) for multiway number partitioning. Deterministic; no group
+    is empty when there are at least `parts` items."""
+    if len(costs) < parts:
+        raise ValueError(f"{len(costs)} items cannot fill {parts} groups")
+    heap = []
+    for i, cost in enumerate(costs):
+        groups = [(cost, [i])] + [(0, []) for _ in range(parts - 1)]
+        heap.append((-cost, i, groups))
+    heapq.heapify(heap)
+    tiebreak = len(costs)
+    while len(heap) > 1:
+        _, _, first = heapq.heappop(heap)
+        _, _, second = heapq.heappop(heap)
+        # Largest group of one with the smallest of the other: the difference shrinks.
+        merged = [
+            (first[j][0] + second[parts - 1 - j][0], first[j][1] + second[parts - 1 - j][1])
+            for j in range(parts)
+        ]
+        merged.sort(key=lambda group: (-group[0], group[1][:1]))
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], tiebreak, merged))
+        tiebreak += 1
+    groups = [list(items) for _, items in heap[0][2]]
+    for empty in [g for g in groups if not g]:
+        donor = max((g for g in groups if len(g) > 1), key=lambda g: sum(costs[i] for i in g))
+        donor.sort(key=lambda i: (costs[i], i))
+        empty.append(donor.pop(0))
+    return groups
+
+
+def plan_packed(
+    lengths: Sequence[int], dp: int, max_tokens: int, count_multiple: int = 1
+) -> list[list[list[int]]]:
+    """Packed micro-batches for every DP rank: `plans[rank]` lists its micro-batches' sequence
+    indices, the same number on every rank (a multiple of `count_multiple`), each within
+    `max_tokens` (the lengths are the sequences' padded lengths).
+
+    The fewest micro-batches that fit: the sequences are split into dp x M groups of nearly equal
+    token counts (Karmarkar-Karp), and the groups dealt to ranks largest first, in alternating
+    order, so every rank gets M groups and nearly the same number of tokens.
+    """
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise ValueError(
+            f"a sequence of {longest} tokens (with padding) does not fit "
+            f"engine.max_tokens_per_microbatch={max_tokens}"
+        )
+    count = max(1, math.ceil(sum(lengths) / (dp * max_tokens)))
+    count = padded_length(count, count_multiple)
+    while True:
+        if dp * count > len(lengths):
+            raise ValueError(
+                f"{len(lengths)} sequences cannot fill {count} micro-batch(es) on each of {dp} "
+                "data-parallel ranks"
+                + (
+                    f" (a multiple of {count_multiple} for the pipeline)"
+                    if count_multiple > 1
+                    else ""
+                )
+            )
+        groups = karmarkar_karp(lengths, dp * count)
+        if max(sum(lengths[i] for i in g) for g in groups) <= max_tokens:
+            break
+        count += count_multiple
+    groups.sort(key=lambda g: (-sum(lengths[i] for i in g), min(g)))
+    plans: list[list[list[int]]] = [[] for _ in range(dp)]
+    for round_start in range(0, len(groups), dp):
+        ranks = range(dp) if (round_start // dp) % 2 == 0 else reversed(range(dp))
+        for rank, group in zip(ranks, groups[round_start : round_start + dp], strict=True):
+            plans[rank].append(sorted(group))
+    return plans
+
+
+def plan_padded(
+    lengths: Sequence[int], dp: int, max_tokens: int, multiple: int, count_multiple: int = 1
+) -> list[list[list[int]]]:
+    """Padded micro-batches for every DP rank (see plan_packed), the same number on every rank.
+
+    Sequences go to ranks by greedy token balance (`split_for_data_parallel`) and into padded
+    micro-batches by `plan_microbatches`; a rank with fewer micro-batches splits its largest.
+    """
+    plans = []
+    for rank in range(dp):
+        mine = split_for_data_parallel(lengths, dp, rank)
+        if not mine:
+            raise ValueError(
+                f"{len(lengths)} sequences cannot feed {dp} data-parallel ranks: each optimizer "
+                "step needs at least one sequence per data-parallel rank"
+            )
+        groups = plan_microbatches([lengths[i] for i in mine], max_tokens, multiple)
+        plans.append([[mine[j] for j in g] for g in groups])
+    count = padded_length(max(len(p) for p in plans), count_multiple)
+    for plan in plans:
+        while len(plan) < count:
+            largest = max(range(len(plan)), key=lambda i: len(plan[i]))
+            if len(plan[largest]) < 2:
+                raise ValueError(
+                    f"every data-parallel rank needs {count} micro-batch(es)"
+                    + (
+                        f" (a multiple of {count_multiple} for the pipeline)"
+                        if count_multiple > 1
+                        else ""
+                    )
+                    + f"; one has only {sum(len(g) for g in plan)} sequence(s)"
+                )
+            group = plan.pop(largest)
+            half = len(group) // 2
+            plan[largest:largest] = [group[:half], group[half:]]
+    return plans
+
+
+def _pipeline_note(count_multiple: int) -> str:
+    if count_multiple == 1:
+        return ""
+    return f" (a multiple of parallel.pp={count_multiple} for the interleaved pipeline)"
 
 
 def build_microbatch(
@@ -98,9 +246,74 @@ def build_microbatch(
     cp_size: int = 1,
     cp_rank: int = 0,
     token_advantages: bool = False,
+    packed: bool = False,
 ) -> MicroBatch:
+    """The micro-batch of `samples[indices]` for this CP rank.
+
+    multiple: the length (padded: of each row; packed: of the row) is a multiple of it.
+    packed: sequences end to end, each padded to a multiple of 2*cp (under CP), the last one
+    further so that the total is a multiple of `multiple`.
+    """
     chosen = [samples[i] for i in indices]
-    seq_len = _round_up(max(s.length for s in chosen), multiple)
+    b = len(chosen)
+    if packed:
+        seq_multiple = 2 * cp_size if cp_size > 1 else 1
+        seq_lengths = [padded_length(s.length, seq_multiple) for s in chosen]
+        seq_lengths[-1] += padded_length(sum(seq_lengths), multiple) - sum(seq_lengths)
+    else:
+        seq_lengths = [padded_length(max(s.length for s in chosen), multiple)] * b
+    full = _padded_rows(chosen, max(seq_lengths), pad_id, token_advantages)
+    # This CP rank's positions of every sequence, and where they land in the packed row.
+    local = [cp_index(n, cp_size, cp_rank) if cp_size > 1 else torch.arange(n) for n in seq_lengths]
+    row_len = max(len(x) for x in local)
+
+    def to_rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.dim() < 2:
+            return t
+        out = t.new_zeros((b, row_len) + tuple(t.shape[2:]))
+        for row, positions in enumerate(local):
+            out[row, : len(positions)] = t[row, positions]
+        return out
+
+    def to_model(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or not packed:
+            return to_rows(t)
+        return torch.cat([t[row, positions] for row, positions in enumerate(local)])[None]
+
+    row_index = cu_seqlens = None
+    if packed:
+        starts = torch.tensor([0] + [len(x) for x in local]).cumsum(0)
+        total = int(starts[-1])
+        column = torch.arange(row_len)
+        row_index = torch.where(
+            column[None, :] < torch.tensor([len(x) for x in local])[:, None],
+            starts[:-1, None] + column[None, :],
+            total,
+        )
+        cu_seqlens = torch.tensor([0] + seq_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return MicroBatch(
+        indices=list(indices),
+        tokens=to_model(full["tokens"]),
+        position_ids=to_model(full["position_ids"]),
+        labels=to_model(full["labels"]),
+        has_label=to_model(full["has_label"]),
+        loss_mask=to_rows(full["loss_mask"]),
+        advantages=to_rows(full["advantages"]),
+        seq_lengths=torch.tensor(seq_lengths),
+        row_index=row_index,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(seq_lengths) if packed else 0,
+        old_logprobs=to_rows(full["old_logprobs"]),
+        ref_logprobs=to_rows(full["ref_logprobs"]),
+        is_weights=to_rows(full["is_weights"]),
+        routed_experts=to_model(full["routed_experts"]),
+    )
+
+
+def _padded_rows(
+    chosen: Sequence[TrainSample], seq_len: int, pad_id: int, token_advantages: bool
+) -> dict[str, torch.Tensor | None]:
+    """Every field as [b, seq_len] right-padded rows (per-sequence values as [b])."""
     b = len(chosen)
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((b, seq_len), pad_id, dtype=torch.long)
@@ -156,24 +369,19 @@ def build_microbatch(
                 raise ValueError("routed experts are given for some samples but not all")
             routes = torch.as_tensor(s.routed_experts, dtype=torch.int32)
             routed[row, : routes.shape[0]] = routes
-    position_ids = torch.arange(seq_len).expand(b, seq_len).contiguous()
     sequence_weights = _sequence_weights(chosen)
-    batch = MicroBatch(
-        indices=list(indices),
-        tokens=tokens,
-        position_ids=position_ids,
-        labels=labels,
-        loss_mask=loss_mask,
-        has_label=has_label,
-        advantages=adv,
-        old_logprobs=aligned("old_logprobs"),
-        ref_logprobs=aligned("ref_logprobs"),
-        is_weights=sequence_weights if sequence_weights is not None else aligned("is_weights"),
-        routed_experts=routed,
-    )
-    if cp_size > 1:
-        batch = split_for_context_parallel(batch, cp_size, cp_rank)
-    return batch
+    return {
+        "tokens": tokens,
+        "position_ids": torch.arange(seq_len).expand(b, seq_len).contiguous(),
+        "labels": labels,
+        "has_label": has_label,
+        "loss_mask": loss_mask,
+        "advantages": adv,
+        "old_logprobs": aligned("old_logprobs"),
+        "ref_logprobs": aligned("ref_logprobs"),
+        "is_weights": sequence_weights if sequence_weights is not None else aligned("is_weights"),
+        "routed_experts": routed,
+    }
 
 
 def _sequence_weights(chosen: Sequence[TrainSample]) -> torch.Tensor | None:
@@ -197,28 +405,14 @@ def cp_index(
     return torch.cat([first, second])
 
 
-def split_for_context_parallel(batch: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
-    index = cp_index(batch.tokens.shape[1], cp_size, cp_rank)
-
-    def take(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or t.dim() < 2:
-            return t
-        return t.index_select(1, index).contiguous()
-
-    return MicroBatch(
-        indices=batch.indices,
-        tokens=take(batch.tokens),
-        position_ids=take(batch.position_ids),
-        labels=take(batch.labels),
-        loss_mask=take(batch.loss_mask),
-        has_label=take(batch.has_label),
-        advantages=take(batch.advantages),
-        old_logprobs=take(batch.old_logprobs),
-        ref_logprobs=take(batch.ref_logprobs),
-        is_weights=take(batch.is_weights),
-        routed_experts=take(batch.routed_experts),
-    )
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+def assemble_cp_rows(parts: Sequence[torch.Tensor], seq_lengths: Sequence[int]) -> torch.Tensor:
+    """Every CP rank's row layout ([b, s_row, ...], rank order) -> [b, max length, ...] in
+    sequence order."""
+    cp = len(parts)
+    first = parts[0]
+    out = first.new_zeros((first.shape[0], max(seq_lengths)) + tuple(first.shape[2:]))
+    for row, length in enumerate(seq_lengths):
+        local = length // cp
+        for rank, part in enumerate(parts):
+            out[row, cp_index(length, cp, rank, first.device)] = part[row, :local]
+    return out

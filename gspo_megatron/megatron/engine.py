@@ -26,6 +26,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.inference.utils import InferenceMode
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gspo_megatron.algorithms.losses import denominator_count, policy_loss_terms
@@ -34,10 +35,11 @@ from gspo_megatron.config_fields import raise_on_problems
 from gspo_megatron.device import accelerator, pinned_for_accelerator
 from gspo_megatron.megatron.batch import (
     MicroBatch,
+    assemble_cp_rows,
     build_microbatch,
-    cp_index,
-    plan_microbatches,
-    split_for_data_parallel,
+    padded_length,
+    plan_packed,
+    plan_padded,
 )
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config
@@ -114,6 +116,8 @@ class TrainingEngine:
         )
         self.trainable = trainable
         self.steps_done = 0
+        # Of the last planned batch (see _plan): padding_fraction, dp_token_imbalance.
+        self.batch_stats: dict[str, float] = {}
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._cp_group = parallel_state.get_context_parallel_group()
         if model_config.is_moe:
@@ -261,7 +265,7 @@ class TrainingEngine:
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             lp, ent = self._token_logprobs(mb, logits, with_entropy)
-            out = {"indices": mb.indices, "logprobs": lp.detach()}
+            out = {"indices": mb.indices, "seq_lengths": mb.seq_lengths, "logprobs": lp.detach()}
             if ent is not None:
                 out["entropy"] = ent.detach()
             return torch.zeros((), device=logits.device), torch.tensor(1), out
@@ -352,6 +356,7 @@ class TrainingEngine:
         metrics = finalize_metrics(self._reduce_metric_sums(per_mb))
         metrics["loss"] = metrics.pop("loss_sum") / denominator
         metrics["num_microbatches"] = float(num_mb_holder[0])  # on this rank
+        metrics.update(self.batch_stats)
         finite = self._all_finite(metrics["loss"])
         if not finite:
             if self.settings.nonfinite == "raise":
@@ -380,7 +385,8 @@ class TrainingEngine:
     # -- schedule plumbing -----------------------------------------------------------------------
 
     def _token_logprobs(self, mb: MicroBatch, logits: torch.Tensor, with_entropy: bool):
-        return vocab_parallel_logprobs(
+        """Log-probs (and entropy) of the labels, in the micro-batch's row layout."""
+        logprobs, entropy = vocab_parallel_logprobs(
             logits,
             mb.labels,
             vocab_size=self.model_config.vocab_size,
@@ -388,55 +394,58 @@ class TrainingEngine:
             with_entropy=with_entropy,
             chunk_bytes=self.settings.logprob_chunk_bytes,
         )
+        return mb.rows(logprobs), mb.rows(entropy) if entropy is not None else None
 
     def _microbatches(
         self, samples: Sequence[TrainSample], token_advantages: bool
     ) -> list[MicroBatch]:
-        dp_rank = parallel_state.get_data_parallel_rank()
-        mine = split_for_data_parallel(samples, self.layout.dp, dp_rank)
-        if not mine:
-            raise ValueError(
-                f"{len(samples)} sequences cannot feed {self.layout.dp} data-parallel ranks: each "
-                "optimizer step needs at least one sequence per data-parallel rank"
-            )
-        lengths = [samples[i].length for i in mine]
-        plan = plan_microbatches(
-            lengths, self.settings.max_tokens_per_microbatch, self.layout.sequence_multiple
-        )
-        plan = self._fit_interleaved_schedule(plan)
+        plans = self._plan(samples)
         cp_rank = parallel_state.get_context_parallel_rank()
         # Built on the host, in pinned memory on a GPU: each is copied to the device as the
         # schedule reaches it, so at most the micro-batches in flight occupy device memory.
         return [
             build_microbatch(
                 samples,
-                [mine[j] for j in group],
+                group,
                 multiple=self.layout.sequence_multiple,
                 pad_id=0,  # padding is masked out; any id in the vocabulary will do
                 cp_size=self.layout.cp,
                 cp_rank=cp_rank,
                 token_advantages=token_advantages,
+                packed=self.settings.pack_sequences,
             ).map(pinned_for_accelerator)
-            for group in plan
+            for group in plans[parallel_state.get_data_parallel_rank()]
         ]
 
-    def _fit_interleaved_schedule(self, plan: list[list[int]]) -> list[list[int]]:
+    def _plan(self, samples: Sequence[TrainSample]) -> list[list[list[int]]]:
+        """Every DP rank's micro-batches (sample indices), computed alike on every rank, and
+        `batch_stats`: the share of computed tokens that is padding, and the most tokens a DP
+        rank computes over the mean."""
+        layout = self.layout
         # The interleaved schedule needs the micro-batch count to be a multiple of pp.
-        if self.layout.vpp == 1:
-            return plan
-        plan = [list(g) for g in plan]
-        while len(plan) % self.layout.pp:
-            largest = max(range(len(plan)), key=lambda i: len(plan[i]))
-            if len(plan[largest]) < 2:
-                raise ValueError(
-                    f"interleaved pipeline (parallel.vpp={self.layout.vpp}) needs a multiple of "
-                    f"parallel.pp={self.layout.pp} micro-batches; this data-parallel rank has "
-                    f"only {sum(len(g) for g in plan)} sequences"
-                )
-            group = plan.pop(largest)
-            half = len(group) // 2
-            plan[largest:largest] = [group[:half], group[half:]]
-        return plan
+        count_multiple = layout.pp if layout.vpp > 1 else 1
+        multiple = layout.sequence_multiple
+        lengths = [s.length for s in samples]
+        budget = self.settings.max_tokens_per_microbatch
+        if self.settings.pack_sequences:
+            seq_multiple = 2 * layout.cp if layout.cp > 1 else 1
+            padded = [padded_length(n, seq_multiple) for n in lengths]
+            plans = plan_packed(padded, layout.dp, budget, count_multiple)
+            computed = [
+                sum(padded_length(sum(padded[i] for i in g), multiple) for g in plan)
+                for plan in plans
+            ]
+        else:
+            plans = plan_padded(lengths, layout.dp, budget, multiple, count_multiple)
+            computed = [
+                sum(len(g) * padded_length(max(lengths[i] for i in g), multiple) for g in plan)
+                for plan in plans
+            ]
+        self.batch_stats = {
+            "padding_fraction": 1.0 - sum(lengths) / sum(computed),
+            "dp_token_imbalance": max(computed) * len(computed) / sum(computed),
+        }
+        return plans
 
     def _run_schedule(
         self,
@@ -463,7 +472,9 @@ class TrainingEngine:
             vp_stage = getattr(getattr(model, "module", model), "vp_stage", None)
             if routes is not None:
                 routes.before_forward(mb, vp_stage)
-            output = model(mb.tokens, mb.position_ids, None)
+            output = model(
+                mb.tokens, mb.position_ids, None, packed_seq_params=_packed_seq_params(mb)
+            )
             if routes is not None:
                 routes.after_forward(mb, vp_stage, route_sink)
             return output, partial(loss_fn, mb)
@@ -558,7 +569,7 @@ class TrainingEngine:
         """Response-aligned per-token values for every sample, on every rank."""
         local: dict[int, np.ndarray] = {}
         for out in per_mb:
-            values = self._gather_cp(out[key]).cpu()
+            values = self._gather_cp(out[key], out["seq_lengths"]).cpu()
             for row, index in enumerate(out["indices"]):
                 s = samples[index]
                 start = len(s.prompt_ids) - 1
@@ -571,18 +582,27 @@ class TrainingEngine:
         merged = self._broadcast_from_last_stage(merged)
         return [merged[i] for i in range(len(samples))]
 
-    def _gather_cp(self, values: torch.Tensor) -> torch.Tensor:
-        """[b, s/cp] in this rank's zigzag order -> [b, s] in sequence order."""
-        cp = self.layout.cp
-        if cp == 1:
+    def _gather_cp(self, values: torch.Tensor, seq_lengths: torch.Tensor) -> torch.Tensor:
+        """This CP rank's row layout -> [b, s] in sequence order."""
+        if self.layout.cp == 1:
             return values.float()
-        parts = [torch.empty_like(values) for _ in range(cp)]
+        parts = [torch.empty_like(values) for _ in range(self.layout.cp)]
         dist.all_gather(parts, values.contiguous(), group=self._cp_group)
-        full_len = values.shape[1] * cp
-        out = values.new_empty(values.shape[0], full_len)
-        for rank, part in enumerate(parts):
-            out[:, cp_index(full_len, cp, rank, values.device)] = part
-        return out.float()
+        return assemble_cp_rows(parts, seq_lengths.tolist()).float()
+
+
+def _packed_seq_params(mb: MicroBatch) -> PackedSeqParams | None:
+    if not mb.packed:
+        return None
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=mb.cu_seqlens,
+        cu_seqlens_kv=mb.cu_seqlens,
+        cu_seqlens_q_padded=mb.cu_seqlens,
+        cu_seqlens_kv_padded=mb.cu_seqlens,
+        max_seqlen_q=mb.max_seqlen,
+        max_seqlen_kv=mb.max_seqlen,
+    )
 
 
 class _AllReduceSum(torch.autograd.Function):

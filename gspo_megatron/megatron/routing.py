@@ -3,10 +3,10 @@
 R2: record each token's top-k experts during the old-policy forward and replay them in the
 training forward. R3: replay the routes the rollout engine reports (SGLang's
 [tokens, layers, top_k]). Routes travel with each sample as int16 [len-1, num_layers, top_k]
-in global token order; this module cuts them into what each router sees (CP zigzag chunk, SP
-slice, [s, b] token order) and reassembles recorded ones. While replaying, each router also
-computes its own top-k, so the fraction of tokens whose expert set changed between the old and
-the current policy is measured with and without replay.
+in global token order; this module cuts them into what each router sees (CP zigzag chunks, SP
+slice, [s, b] token order of padded rows or of one packed row) and reassembles recorded ones.
+While replaying, each router also computes its own top-k, so the fraction of tokens whose expert
+set changed between the old and the current policy is measured with and without replay.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from gspo_megatron.device import accelerator
-from gspo_megatron.megatron.batch import MicroBatch, cp_index
+from gspo_megatron.megatron.batch import MicroBatch, assemble_cp_rows
 from gspo_megatron.spec.sample import TrainSample
 
 
@@ -104,8 +104,9 @@ class RouteRecorder:
             sink.append(
                 {
                     "indices": mb.indices,
+                    "seq_lengths": mb.seq_lengths,
                     "layers": layers,
-                    "routes": torch.stack(recorded, dim=2).to(torch.int16),
+                    "routes": mb.rows(torch.stack(recorded, dim=2).to(torch.int16)),
                 }
             )
 
@@ -129,17 +130,13 @@ class RouteRecorder:
         cp_group = parallel_state.get_context_parallel_group()
         local: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
         for out in outputs:
-            routes = out["routes"]  # [b, s/cp, L_local, k] int16
+            routes = out["routes"]  # this CP rank's row layout: [b, s_row, L_local, k] int16
             if cp > 1:
                 # Neither NCCL nor gloo carries int16: gathered as int32.
                 wide = routes.int().contiguous()
                 parts = [torch.empty_like(wide) for _ in range(cp)]
                 dist.all_gather(parts, wide, group=cp_group)
-                full = routes.shape[1] * cp
-                merged = wide.new_empty((routes.shape[0], full) + tuple(routes.shape[2:]))
-                for rank, part in enumerate(parts):
-                    merged[:, cp_index(full, cp, rank, merged.device)] = part
-                routes = merged.to(torch.int16)
+                routes = assemble_cp_rows(parts, out["seq_lengths"].tolist()).to(torch.int16)
             routes = routes.cpu()  # one copy per micro-batch
             for row, index in enumerate(out["indices"]):
                 n = samples[index].length - 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -108,10 +109,11 @@ class ParallelLayout:
 
     @property
     def sequence_multiple(self) -> int:
-        """Every micro-batch's padded length is a multiple of this."""
+        """Every micro-batch's padded length is a multiple of this: 2*cp chunks under CP, and
+        each CP rank's part a multiple of tp under sequence parallelism."""
         multiple = 2 * self.cp if self.cp > 1 else 1
         if self.sequence_parallel:
-            multiple = multiple * self.tp // _gcd(multiple, self.tp)
+            multiple = math.lcm(multiple, self.cp * self.tp)
         return multiple
 
     def describe(self) -> str:
@@ -119,9 +121,3 @@ class ParallelLayout:
             f"tp={self.tp} pp={self.pp} vpp={self.vpp} cp={self.cp} dp={self.dp} ep={self.ep} "
             f"etp={self.etp} edp={self.edp} sp={self.sequence_parallel} world={self.world_size}"
         )
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a

@@ -40,7 +40,11 @@ class EngineSettings:
     """`engine`: batching and numerics of the training engine.
 
     max_sequence_length: prompt + response tokens; longer samples are an error.
-    max_tokens_per_microbatch: padded tokens (batch x length) per micro-batch.
+    max_tokens_per_microbatch: tokens per micro-batch, padding included (padded: batch x
+    length; packed: the sequences' total).
+    pack_sequences: sequences end to end in one row per micro-batch (THD), none computed on
+    padding, and micro-batches balanced over data-parallel ranks by token count; false: each
+    micro-batch right-padded to its longest sequence.
     nonfinite: skip | raise, for a non-finite loss or gradient (with skip, the run stops after
     trainer.max_consecutive_skipped_steps skipped optimizer steps in a row).
     recompute_activations: full activation recomputation (less memory, ~1/3 more compute).
@@ -51,6 +55,7 @@ class EngineSettings:
 
     max_sequence_length: int = bounded(64, ge=2)
     max_tokens_per_microbatch: int = bounded(4096, ge=1)
+    pack_sequences: bool = True
     nonfinite: str = choice("skip", "raise")
     recompute_activations: bool = False
     entropy_metric: bool = True

@@ -1,13 +1,15 @@
 """Run under torchrun: the engine on one parallel layout, compared with a one-process reference.
 
-`--make-reference DIR` (one process, one micro-batch) writes the reference: initial weights (with
-optimizer state), per-token log-probs, and for each loss the loss value and the weights after one
-SGD step. Any other layout then loads the same initial weights, cuts the same batch into several
-micro-batches, and checks log-probs, loss and updated weights against the reference. With SGD
-(lr 1, no clipping, no momentum, hence no optimizer state) the weight update *is* the gradient,
-so a normalisation error shows up directly (Adam's first step would hide a scale error).
+`--make-reference DIR` (one process, one padded micro-batch) writes the reference: initial weights
+(with optimizer state), per-token log-probs, and for each loss the loss value and the weights
+after one SGD step. Any other layout then loads the same initial weights, cuts the same batch into
+several micro-batches, padded and then packed (THD), and checks log-probs, loss and updated
+weights of both against the reference, and packed against padded on this layout. With SGD (lr 1,
+no clipping, no momentum, hence no optimizer state) the weight update *is* the gradient, so a
+normalisation error shows up directly (Adam's first step would hide a scale error).
 
-Prints one JSON line per check on rank 0: {"check", "value", "tol", "ok"}.
+Prints one JSON line per check on rank 0: {"check", "value", "tol", "ok"}; checks are named
+`padded/...`, `packed/...` and `packed_vs_padded/...`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import json
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,11 +62,17 @@ def make_samples(seed: int = 7, count: int = 8) -> list[TrainSample]:
     return samples
 
 
-def build_engine(layout: ParallelLayout, num_layers: int, microbatch_tokens: int) -> TrainingEngine:
+def build_engine(
+    layout: ParallelLayout, num_layers: int, microbatch_tokens: int, packed: bool = False
+) -> TrainingEngine:
     return TrainingEngine(
         model_config(num_layers),
         layout,
-        EngineSettings(max_sequence_length=64, max_tokens_per_microbatch=microbatch_tokens),
+        EngineSettings(
+            max_sequence_length=64,
+            max_tokens_per_microbatch=microbatch_tokens,
+            pack_sequences=packed,
+        ),
         OptimizerSettings(
             name="sgd", lr=1.0, clip_grad=0.0, weight_decay=0.0, distributed_optimizer=False
         ),
@@ -97,6 +106,72 @@ def make_reference(out: Path, num_layers: int) -> None:
     torch.save(reference, out / "reference.pt")
 
 
+def trained_weights(engine: TrainingEngine) -> list[dict[str, torch.Tensor]]:
+    return [
+        {k: v.detach().clone() for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
+        for chunk in engine.unwrapped_chunks
+    ]
+
+
+def weight_differences(engine, expected, initial) -> torch.Tensor:
+    """Largest difference of the engine's weights from `expected`, relative to the weights and to
+    the update itself (max over ranks). For the latter, differences within two float32 ulps of
+    the weight are storage rounding (a norm weight near 1 resolves updates only to ~1e-7)."""
+    worst = torch.zeros(2)
+    for chunk, ref_sd, init_sd in zip(engine.unwrapped_chunks, expected, initial, strict=True):
+        for key, value in chunk.state_dict().items():
+            if not torch.is_tensor(value) or key not in ref_sd or "_extra_state" in key:
+                continue
+            diff = (value - ref_sd[key]).abs().max()
+            scale = ref_sd[key].abs().max().clamp_min(1e-12)
+            update = (ref_sd[key] - init_sd[key]).abs().max().clamp_min(1e-12)
+            beyond_rounding = (diff - 2 * torch.finfo(torch.float32).eps * scale).clamp_min(0)
+            worst = torch.maximum(worst, torch.stack([diff / scale, beyond_rounding / update]))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst
+
+
+def max_abs_diff(first, second) -> float:
+    return max(
+        float((torch.as_tensor(a) - torch.as_tensor(b)).abs().max())
+        for a, b in zip(first, second, strict=True)
+    )
+
+
+def route_mismatch_fraction(first, second) -> float:
+    """Share of (token, layer) entries whose expert sets differ."""
+    differ = total = 0
+    for a, b in zip(first, second, strict=True):
+        a = torch.sort(torch.as_tensor(a), dim=-1).values
+        b = torch.sort(torch.as_tensor(b), dim=-1).values
+        differ += int((a != b).any(dim=-1).sum())
+        total += a.shape[0] * a.shape[1]
+    return differ / total
+
+
+def check_routing_replay(engine, ref_dir: Path, samples, results: list) -> None:
+    """Routes recorded in a padded forward stand for a rollout engine's (R3: per sequence, in
+    sequence order). In each mode, the routes recorded (R2) must equal them, and replaying them
+    must make every router's own choice equal the replayed experts at every token (a route laid
+    out at the wrong token would differ) and leave the log-probs unchanged."""
+    checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
+    engine.settings.pack_sequences = False
+    given = engine.forward(samples, record_routes=True).routes
+    with_routes = [replace(s, routed_experts=r) for s, r in zip(samples, given, strict=True)]
+    for mode in ("padded", "packed"):
+        engine.settings.pack_sequences = mode == "packed"
+        recorded = engine.forward(samples, record_routes=True)
+        results.append(
+            (f"{mode}/recorded_routes_mismatch", route_mismatch_fraction(recorded.routes, given), 0)
+        )
+        engine.routes.step_metrics()  # counts of earlier forwards
+        replayed = engine.forward(with_routes, replay_routes=True)
+        change = engine.routes.step_metrics().get("moe/route_change_fraction", -1.0)
+        results.append((f"{mode}/replayed_routes_differ_from_router_choice", change, 0))
+        lp_err = max_abs_diff(replayed.logprobs, recorded.logprobs)
+        results.append((f"{mode}/replayed_logprobs_max_abs_diff", lp_err, 1e-6))
+
+
 def check_layout(
     ref_dir: Path, layout: ParallelLayout, num_layers: int, tokens: int, losses: list[str]
 ) -> bool:
@@ -104,47 +179,47 @@ def check_layout(
     engine = build_engine(layout, num_layers, microbatch_tokens=tokens)
     reference = torch.load(ref_dir / "reference.pt", weights_only=False)
     checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
+    initial = trained_weights(engine)
     samples = make_samples()
-    results = []
-
-    result = engine.forward(samples, with_entropy=True)
-    lp_err = max(
-        float((torch.as_tensor(a) - b).abs().max())
-        for a, b in zip(result.logprobs, reference["logprobs"], strict=True)
-    )
-    results.append(("logprobs_max_abs_diff", lp_err, 1e-5))
     train = with_old_logprobs(samples, [x.numpy() for x in reference["logprobs"]])
-    initial = [
-        {k: v.detach().clone() for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
-        for chunk in engine.unwrapped_chunks
-    ]
-    for name in losses:
+    results = []
+    outcome: dict[str, dict] = {}
+    for mode in ("padded", "packed"):
+        engine.settings.pack_sequences = mode == "packed"
         checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
-        metrics = engine.train_step(train, LossSettings(name, LOSSES[name]))
-        ref_loss = reference["loss"][name]
-        results.append((f"{name}_loss_abs_diff", abs(metrics["loss"] - ref_loss), 1e-6))
-        expected = checkpointing.load_reference_weights(
-            engine.unwrapped_chunks, ref_dir / f"after_{name}"
-        )
-        # Relative to the weights (the issue's measure) and to the update itself, which catches
-        # any gradient-scale error; for the latter, differences within two float32 ulps of the
-        # weight are storage rounding (a norm weight near 1 resolves updates only to ~1e-7).
-        worst = torch.zeros(2)
-        for chunk, ref_sd, init_sd in zip(engine.unwrapped_chunks, expected, initial, strict=True):
-            for key, value in chunk.state_dict().items():
-                if not torch.is_tensor(value) or key not in ref_sd or "_extra_state" in key:
-                    continue
-                diff = (value - ref_sd[key]).abs().max()
-                scale = ref_sd[key].abs().max().clamp_min(1e-12)
-                update = (ref_sd[key] - init_sd[key]).abs().max().clamp_min(1e-12)
-                beyond_rounding = (diff - 2 * torch.finfo(torch.float32).eps * scale).clamp_min(0)
-                worst = torch.maximum(worst, torch.stack([diff / scale, beyond_rounding / update]))
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        results.append((f"{name}_params_rel_diff", float(worst[0]), 1e-5))
-        results.append((f"{name}_update_rel_diff", float(worst[1]), 1e-5))
-        count = torch.tensor([metrics["num_microbatches"]])
-        dist.all_reduce(count, op=dist.ReduceOp.MIN)
-        results.append((f"{name}_min_microbatches_per_rank", float(count), None))
+        logprobs = engine.forward(samples, with_entropy=True).logprobs
+        lp_err = max_abs_diff(logprobs, reference["logprobs"])
+        results.append((f"{mode}/logprobs_max_abs_diff", lp_err, 1e-5))
+        outcome[mode] = {"logprobs": logprobs}
+        for name in losses:
+            checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
+            metrics = engine.train_step(train, LossSettings(name, LOSSES[name]))
+            ref_loss = reference["loss"][name]
+            results.append((f"{mode}/{name}_loss_abs_diff", abs(metrics["loss"] - ref_loss), 1e-6))
+            expected = checkpointing.load_reference_weights(
+                engine.unwrapped_chunks, ref_dir / f"after_{name}"
+            )
+            worst = weight_differences(engine, expected, initial)
+            results.append((f"{mode}/{name}_params_rel_diff", float(worst[0]), 1e-5))
+            results.append((f"{mode}/{name}_update_rel_diff", float(worst[1]), 1e-5))
+            count = torch.tensor([metrics["num_microbatches"]])
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            results.append((f"{mode}/{name}_min_microbatches_per_rank", float(count), None))
+            results.append((f"{mode}/{name}_padding_fraction", metrics["padding_fraction"], None))
+            outcome[mode][name] = (metrics["loss"], trained_weights(engine))
+    check_routing_replay(engine, ref_dir, samples, results)
+    padded, packed = outcome["padded"], outcome["packed"]
+    lp_err = max_abs_diff(packed["logprobs"], padded["logprobs"])
+    results.append(("packed_vs_padded/logprobs_max_abs_diff", lp_err, 1e-6))
+    for name in losses:
+        loss_diff = abs(packed[name][0] - padded[name][0])
+        results.append((f"packed_vs_padded/{name}_loss_abs_diff", loss_diff, 1e-6))
+        checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
+        for chunk, weights in zip(engine.unwrapped_chunks, packed[name][1], strict=True):
+            chunk.load_state_dict(weights, strict=False)
+        worst = weight_differences(engine, padded[name][1], initial)
+        results.append((f"packed_vs_padded/{name}_params_rel_diff", float(worst[0]), 1e-6))
+        results.append((f"packed_vs_padded/{name}_update_rel_diff", float(worst[1]), 1e-5))
     ok = True
     if dist.get_rank() == 0:
         for check, value, tol in results:
