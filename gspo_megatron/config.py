@@ -378,6 +378,13 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             "algorithm.routing_replay=r3 with SGLang needs "
             "rollout.sglang.return_routed_experts=true"
         )
+    engine = cfg.engine
+    if engine.max_tokens_per_microbatch < engine.max_sequence_length:
+        raise ConfigError(
+            f"engine.max_tokens_per_microbatch={engine.max_tokens_per_microbatch} is below "
+            f"engine.max_sequence_length={engine.max_sequence_length}: a sequence of that length "
+            "would not fit a micro-batch"
+        )
     if optimizer.min_lr > optimizer.lr:
         raise ConfigError(
             f"optimizer.min_lr={optimizer.min_lr:g} must not exceed optimizer.lr={optimizer.lr:g}"

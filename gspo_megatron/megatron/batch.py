@@ -173,12 +173,7 @@ def plan_packed(
         if dp * count > len(lengths):
             raise ValueError(
                 f"{len(lengths)} sequences cannot fill {count} micro-batch(es) on each of {dp} "
-                "data-parallel ranks"
-                + (
-                    f" (a multiple of {count_multiple} for the pipeline)"
-                    if count_multiple > 1
-                    else ""
-                )
+                "data-parallel ranks" + _pipeline_note(count_multiple)
             )
         groups = karmarkar_karp(lengths, dp * count)
         if max(sum(lengths[i] for i in g) for g in groups) <= max_tokens:
@@ -218,11 +213,7 @@ def plan_padded(
             if len(plan[largest]) < 2:
                 raise ValueError(
                     f"every data-parallel rank needs {count} micro-batch(es)"
-                    + (
-                        f" (a multiple of {count_multiple} for the pipeline)"
-                        if count_multiple > 1
-                        else ""
-                    )
+                    + _pipeline_note(count_multiple)
                     + f"; one has only {sum(len(g) for g in plan)} sequence(s)"
                 )
             group = plan.pop(largest)
@@ -414,5 +405,6 @@ def assemble_cp_rows(parts: Sequence[torch.Tensor], seq_lengths: Sequence[int]) 
     for row, length in enumerate(seq_lengths):
         local = length // cp
         for rank, part in enumerate(parts):
-            out[row, cp_index(length, cp, rank, first.device)] = part[row, :local]
+            positions = cp_index(length, cp, rank, first.device) if cp > 1 else slice(0, length)
+            out[row, positions] = part[row, :local]
     return out

@@ -35,9 +35,11 @@ def resolved(*overrides: str):
         (["algorithm.mismatch=mis", "algorithm.mismatch_level=token"],
          "algorithm.mismatch=mis at algorithm.mismatch_level=token with algorithm.loss=gspo: a "
          "sequence-ratio loss has one term per sequence"),
+        (["engine.max_sequence_length=128", "engine.max_tokens_per_microbatch=100"],
+         "engine.max_tokens_per_microbatch=100 is below engine.max_sequence_length=128"),
     ],
     ids=["coef-without-type", "type-without-coef", "dense", "sinkhorn", "moved-key",
-         "mismatch-with-rollout-logprobs", "token-weights-for-gspo"],
+         "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget"],
 )  # fmt: skip
 def test_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
