@@ -267,6 +267,8 @@ class Trainer:
                 row[:n].float().tolist() if cut else None
                 for row, cut, n in zip(kept, truncated.tolist(), lengths, strict=True)
             ]
+        # A response with no token (an aborted request) has no term in any loss: it is scored
+        # and counted, and left out of training.
         samples = [
             TrainSample(
                 prompt_ids=list(sample.prompt_ids),
@@ -279,7 +281,12 @@ class Trainer:
             for sample, adv, mask in zip(
                 flat, batch.advantages.flatten().tolist(), masks, strict=True
             )
+            if sample.response_ids
         ]
+        batch.stats["response/empty_count"] = float(len(flat) - len(samples))
+        if not samples:
+            batch.samples = []
+            return
         moe = self.engine.model_config.is_moe
         recompute = alg.old_logprobs == "recompute"
         # Routes are recorded for R2, and for the route metrics when the forward runs anyway;

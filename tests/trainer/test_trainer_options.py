@@ -584,6 +584,35 @@ def test_step_metrics(composer, tokenizer):
     assert run.log.summaries == [run.last] and run.last == run.log.records[-1][1]
 
 
+@pytest.mark.parametrize("replay", ["off", "r3"])
+def test_empty_responses_are_scored_counted_and_not_trained(composer, tokenizer, replay):
+    cfg, model, layout = composer.resolve(
+        "trainer.steps=1", f"algorithm.routing_replay={replay}", "algorithm.kl_coef=0.1"
+    )
+    run = build_fake_run(cfg, model, layout, tokenizer)
+    generate = run.rollout.generate
+
+    def aborting_two(prompts, n, params):
+        # The first two responses end as aborted requests that produced no token.
+        groups = generate(prompts, n, params)
+        for sample in groups[0][:2]:
+            sample.response_ids, sample.logprobs, sample.finish_reason = [], [], "abort"
+            if sample.routed_experts is not None:
+                sample.routed_experts = sample.routed_experts[: len(sample.prompt_ids) - 1]
+        return groups
+
+    run.rollout.generate = aborting_two
+    run.train()
+    _, metrics = run.log.records[0]
+    responses = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert metrics["response/empty_count"] == 2
+    assert metrics["response/length_min"] == 0
+    trained = [s for c in run.journal.calls("train") for s in c.samples]
+    assert len(trained) == responses - 2 and all(s.response_ids for s in trained)
+    forwarded = [s for c in run.journal.calls("forward") for s in c.samples]
+    assert forwarded and all(s.response_ids for s in forwarded)
+
+
 def test_resume_repeats_the_uninterrupted_run(composer, tokenizer):
     whole = run_fake(composer, tokenizer, "trainer.steps=3", "algorithm.kl_coef=0.1")
     store = MemoryCheckpoints()
