@@ -161,6 +161,11 @@ class TrainerSection:
     skipped optimizer steps in a row.
     peer_timeout_s: a rank whose heartbeat stops this long is declared gone, and every rank
     exits with a message instead of waiting in a collective (gspo_megatron/peers.py).
+    offload_during_rollout: none | optimizer (optimizer state and fp32 main parameters) | all
+    (also gradient buffers and weights) move to host memory while rollouts generate and come
+    back before the old-policy forward. With the embedded rollout engine the weights stay
+    (they generate); with SGLang they leave after the weight sync. The KL reference's weights
+    leave too under `all`.
     """
 
     steps: int = bounded(800, ge=1)
@@ -172,6 +177,7 @@ class TrainerSection:
     allow_different_config: bool = False
     max_consecutive_skipped_steps: int = bounded(16, ge=1)
     peer_timeout_s: float = bounded(60.0, gt=0)
+    offload_during_rollout: str = choice("none", "optimizer", "all")
 
 
 @dataclass

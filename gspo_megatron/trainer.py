@@ -58,7 +58,8 @@ class Trainer:
     with megatron engines and real processes (components.build_trainer) or with fakes:
 
     engine / reference: `train_step`, `forward`, `layout.dp`, `model_config.is_moe`,
-        `current_lr()` (gspo_megatron.megatron.engine.TrainingEngine).
+        `current_lr()`, and `offload` / `reload` with trainer.offload_during_rollout
+        (gspo_megatron.megatron.engine.TrainingEngine).
     rollout, weight_source: a RolloutEngine and what it syncs weights from.
     scorer, tokenizer, train_data, eval_data: rewards, text, prompts.
     ranks: this rank, rank 0's objects and votes (gspo_megatron.ranks).
@@ -135,8 +136,17 @@ class Trainer:
             started = time.perf_counter()
             cpu_started = time.process_time()
             timings: dict[str, float] = {}
+            offloading = bool(self._offloaded_engines())
+            moved: dict[str, float] = {}
+            if offloading:
+                with _timed(timings, "offload"):
+                    moved.update(self.offload_for_rollout())
             with _timed(timings, "generate"):
                 batch = self.generate()
+            if offloading:
+                with _timed(timings, "reload"):
+                    moved.update(self.reload_after_rollout())
+                batch.stats.update({f"perf/{k}": v for k, v in moved.items()})
             with _timed(timings, "old_logprobs"):
                 if batch.groups:
                     self.prepare_training_inputs(batch)
@@ -163,6 +173,30 @@ class Trainer:
         return last
 
     # -- phases ------------------------------------------------------------------------------
+
+    def _offloaded_engines(self) -> list[tuple[object, str, bool]]:
+        """(engine, what, keep its weights) per engine that trainer.offload_during_rollout moves."""
+        what = self.cfg.trainer.offload_during_rollout
+        if what == "none":
+            return []
+        # The embedded rollout engine generates with the policy's weights.
+        engines = [(self.engine, what, self.cfg.rollout.engine == "embedded")]
+        if what == "all" and self.reference is not None:
+            engines.append((self.reference, "all", False))
+        return engines
+
+    def offload_for_rollout(self) -> dict[str, float]:
+        """Training state to host memory while the rollout engine generates (after the weight
+        sync: SGLang has the weights before the trainer's copy leaves)."""
+        moved = [
+            engine.offload(what, keep_weights=keep)
+            for engine, what, keep in self._offloaded_engines()
+        ]
+        return {"offload_bytes": sum(m.get("offload_bytes", 0.0) for m in moved)}
+
+    def reload_after_rollout(self) -> dict[str, float]:
+        moved = [engine.reload() for engine, _, _ in self._offloaded_engines()]
+        return {"reload_bytes": sum(m.get("reload_bytes", 0.0) for m in moved)}
 
     def generate(self) -> RolloutBatch:
         """Rollouts for one step, with rewards and advantages; dynamic sampling fills the batch."""

@@ -94,6 +94,7 @@ def save_engine(
     final = Path(path)
     if final.exists():
         raise CheckpointError(f"{final}: checkpoint directory already exists")
+    engine.reload()  # a checkpoint holds the state itself, offloaded or not
     rank = dist.get_rank()
     tmp = final.parent / _broadcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:

@@ -43,6 +43,7 @@ from gspo_megatron.megatron.batch import (
 )
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config
+from gspo_megatron.megatron.offload import StateOffloader
 from gspo_megatron.megatron.routing import RouteRecorder
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
@@ -118,6 +119,7 @@ class TrainingEngine:
         self.steps_done = 0
         # Of the last planned batch (see _plan): padding_fraction, dp_token_imbalance.
         self.batch_stats: dict[str, float] = {}
+        self._offloader: StateOffloader | None = None
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._cp_group = parallel_state.get_context_parallel_group()
         if model_config.is_moe:
@@ -239,6 +241,29 @@ class TrainingEngine:
             for m, mode in zip(self.model, training, strict=True):
                 m.train(mode)
 
+    def offload(self, what: str, *, keep_weights: bool) -> dict[str, float]:
+        """Move `what` (optimizer | all) of this engine's state to host memory and free its
+        device storage, keeping the weights if `keep_weights` (gspo_megatron/megatron/offload.py).
+        Returns the seconds and bytes copied. Nothing runs on the engine until `reload`."""
+        offloader = self._offloader
+        if offloader is None or (offloader.what, offloader.keep_weights) != (what, keep_weights):
+            if offloader is not None and offloader.offloaded:
+                raise RuntimeError("the engine's state is offloaded: reload it before changing")
+            self._offloader = offloader = StateOffloader(self, what, keep_weights=keep_weights)
+        return offloader.offload()
+
+    def reload(self) -> dict[str, float]:
+        """Put offloaded state back on the device; nothing to do when it is resident."""
+        return self._offloader.reload() if self._offloader is not None else {}
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloader is not None and self._offloader.offloaded
+
+    def _check_resident(self) -> None:
+        if self.offloaded:
+            raise RuntimeError("the engine's state is offloaded: call reload() before using it")
+
     @property
     def unwrapped_chunks(self) -> list[torch.nn.Module]:
         return [m.module for m in self.model] if self.trainable else list(self.model)
@@ -256,6 +281,7 @@ class TrainingEngine:
         record_routes: also return each token's experts (routing replay R2). replay_routes:
         route with the samples' `routed_experts` (R3: the rollout engine's routes).
         """
+        self._check_resident()
         validate_samples(samples, self.settings.max_sequence_length)
         for m in self.model:
             m.eval()
@@ -298,6 +324,7 @@ class TrainingEngine:
         """
         if not self.trainable:
             raise RuntimeError("a frozen engine (the KL reference) cannot train")
+        self._check_resident()
         validate_samples(samples, self.settings.max_sequence_length)
         if any(s.old_logprobs is None for s in samples):
             raise ValueError("train_step needs old_logprobs on every sample")

@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from gspo_megatron.device import accelerator  # noqa: E402
 from gspo_megatron.megatron import parallel  # noqa: E402
 from gspo_megatron.megatron.engine import TrainingEngine  # noqa: E402
+from gspo_megatron.megatron.offload import StateOffloader  # noqa: E402
 from gspo_megatron.rollout.embedded import EmbeddedEngine  # noqa: E402
 from gspo_megatron.rollout.engine import SamplingParams  # noqa: E402
 from gspo_megatron.rollout.weight_export import MegatronWeightSource  # noqa: E402
@@ -169,7 +170,39 @@ def mode_export(engine: TrainingEngine, layout: ParallelLayout) -> None:
         check("export_buckets_on_device", on_device)
 
 
+def mode_offload(engine: TrainingEngine, layout: ParallelLayout) -> None:
+    """After offloading everything no parameter, gradient buffer or optimizer tensor keeps
+    device storage, the copies are host tensors, and training goes on after the reload."""
+    batch = samples()
+    train = with_old(batch, engine.forward(batch))
+    engine.train_step(train, LossSettings("gspo"))  # Adam's state exists from the first step
+    params = [p for chunk in engine.unwrapped_chunks for p in chunk.parameters()]
+    grads = [b.grad_data for m in engine.model for b in (*m.buffers, *m.expert_parallel_buffers)]
+    state = [
+        v
+        for part in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+        for s in part.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and device_emulation.on_device(v)
+    ]
+    offloader = StateOffloader(engine, "all", keep_weights=False)
+    moved = offloader.offload()
+    left = [t for t in params + grads + state if t.untyped_storage().nbytes() > 0]
+    check("offload_leaves_nothing_on_device", not left and bool(state), len(left))
+    copies = offloader.host_copies
+    check(
+        "offload_copies_on_host",
+        bool(copies) and not any(device_emulation.on_device(c) for c in copies),
+        moved["offload_bytes"],
+    )
+    offloader.reload()
+    back = all(device_emulation.on_device(p) for p in params)
+    metrics = engine.train_step(train, LossSettings("gspo"))
+    check("offload_reload_then_train", back and metrics["skipped"] == 0.0, metrics["loss"])
+
+
 MODES = {
+    "offload": mode_offload,
     "train": mode_train,
     "forward": mode_forward,
     "replay": mode_replay,

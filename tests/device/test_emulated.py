@@ -19,6 +19,11 @@ TRAIN = {"train_step_adam", "optimizer_steps"}
 FORWARD = {"forward_logprobs", "forward_entropy", "forward_routes"}
 REPLAY = {"r2_route_change_measured", "r2_replay_step", "r3_replay_forward"}
 EXPORT = {"export_names", "export_buckets_on_device"}
+OFFLOAD = {
+    "offload_leaves_nothing_on_device",
+    "offload_copies_on_host",
+    "offload_reload_then_train",
+}
 
 
 def assert_all_ok(results: list[dict], expected: set[str]) -> None:
@@ -30,11 +35,16 @@ def assert_all_ok(results: list[dict], expected: set[str]) -> None:
 
 def test_single_process():
     """Training with Adam (distributed optimizer) and SGD, the old-policy forward with routes,
-    R2/R3 replay, both embedded decoders, weight export."""
-    results = run_worker(WORKER, ["--modes", "train,forward,replay,rollout,export"])
+    R2/R3 replay, both embedded decoders, weight export, offloading the training state."""
+    results = run_worker(WORKER, ["--modes", "train,forward,replay,rollout,export,offload"])
     assert_all_ok(
         results,
-        TRAIN | FORWARD | REPLAY | EXPORT | {"train_step_sgd", "rollout_torch", "rollout_megatron"},
+        TRAIN
+        | FORWARD
+        | REPLAY
+        | EXPORT
+        | OFFLOAD
+        | {"train_step_sgd", "rollout_torch", "rollout_megatron"},
     )
 
 
@@ -51,9 +61,11 @@ def test_tp2_sequence_parallel_moe():
 @pytest.mark.distributed
 def test_ep2():
     results = run_worker(
-        WORKER, ["--layout", "ep=2", "--modes", "train,forward,replay,rollout,export"], nproc=2
+        WORKER,
+        ["--layout", "ep=2", "--modes", "train,forward,replay,rollout,export,offload"],
+        nproc=2,
     )
-    assert_all_ok(results, TRAIN | FORWARD | REPLAY | EXPORT | {"rollout_megatron"})
+    assert_all_ok(results, TRAIN | FORWARD | REPLAY | EXPORT | OFFLOAD | {"rollout_megatron"})
 
 
 @pytest.mark.distributed

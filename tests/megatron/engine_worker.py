@@ -10,6 +10,9 @@ Modes (`--mode`), each printing JSON lines {"check", "value", "ok"} on rank 0:
 - load-layout:   load that checkpoint on the current layout, compare log-probs.
 - nonfinite:     a non-finite gradient is skipped (weights untouched) or raises.
 - bad-input:     clear errors for too-long sequences, empty responses, other architectures.
+- offload:       training with the state offloaded between steps is bitwise identical to
+                 training without (weights, Adam state, metrics); offloading frees the chosen
+                 storages; a checkpoint saved while offloaded resumes exactly.
 """
 
 from __future__ import annotations
@@ -246,6 +249,90 @@ def mode_resume(layout: ParallelLayout, workdir: Path) -> None:
     check("lr_schedule_moves", m2["lr"], m2["lr"] != m1["lr"])
 
 
+def engine_state(engine) -> list[torch.Tensor]:
+    """Every weight and optimizer-state tensor of the engine, in a fixed order (copies)."""
+    tensors = [p.detach().clone() for chunk in engine.unwrapped_chunks for p in chunk.parameters()]
+    for part in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for state in part.optimizer.state.values():
+            tensors += [
+                state[k].detach().clone() for k in sorted(state) if torch.is_tensor(state[k])
+            ]
+    return tensors
+
+
+def freed(tensors) -> bool:
+    return all(t.untyped_storage().nbytes() == 0 for t in tensors)
+
+
+def optimizer_state_tensors(engine) -> list[torch.Tensor]:
+    return [
+        v
+        for part in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+        for state in part.optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    ]
+
+
+def mode_offload(layout: ParallelLayout, workdir: Path) -> None:
+    batch = samples()
+    engine = engine_for(layout, optimizer=ADAM)
+    train = with_old(batch, engine.forward(batch).logprobs)
+    engine.train_step(train, LossSettings("gspo"))  # Adam's state exists from the first step
+    checkpointing.save_engine(engine, workdir / "offload_init")
+    runs = {}
+    for what in ("none", "optimizer", "all"):
+        checkpointing.load_engine(engine, workdir / "offload_init")
+        metrics = []
+        for _ in range(3):
+            metrics.append(engine.train_step(train, LossSettings("gspo")))
+            if what == "none":
+                continue
+            moved = engine.offload(what, keep_weights=what == "optimizer")
+            weights = [p for chunk in engine.unwrapped_chunks for p in chunk.parameters()]
+            grads = [
+                b.grad_data for m in engine.model for b in (*m.buffers, *m.expert_parallel_buffers)
+            ]
+            state_freed = freed(optimizer_state_tensors(engine))
+            check(f"offload_{what}_frees_optimizer_state", float(state_freed), state_freed)
+            if what == "all":
+                gone = freed(weights) and freed(grads)
+                check("offload_all_frees_weights_and_gradients", float(gone), gone)
+            else:
+                kept = not any(t.untyped_storage().nbytes() == 0 for t in weights + grads)
+                check("offload_optimizer_keeps_weights_and_gradients", float(kept), kept)
+            check(f"offload_{what}_bytes", moved["offload_bytes"], moved["offload_bytes"] > 0)
+            engine.reload()
+        runs[what] = (engine_state(engine), [(m["loss"], m["grad_norm"]) for m in metrics])
+    for what in ("optimizer", "all"):
+        same_state = all(
+            torch.equal(a, b) for a, b in zip(runs[what][0], runs["none"][0], strict=True)
+        ) and len(runs[what][0]) == len(runs["none"][0])
+        flag = torch.tensor([0.0 if same_state else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        check(f"offload_{what}_state_bitwise_identical", float(flag), float(flag) == 0.0)
+        same = runs[what][1] == runs["none"][1]
+        check(f"offload_{what}_metrics_identical", float(not same), same)
+    # Saved while offloaded: the checkpoint holds the state itself.
+    checkpointing.load_engine(engine, workdir / "offload_init")
+    engine.train_step(train, LossSettings("gspo"))
+    engine.offload("all", keep_weights=False)
+    checkpointing.save_engine(engine, workdir / "offload_saved")
+    straight = engine.train_step(train, LossSettings("gspo"))
+    checkpointing.load_engine(engine, workdir / "offload_saved")
+    resumed = engine.train_step(train, LossSettings("gspo"))
+    same = (straight["loss"], straight["grad_norm"]) == (resumed["loss"], resumed["grad_norm"])
+    check("offload_saved_checkpoint_resumes_exactly", float(not same), same)
+    try:
+        engine.offload("optimizer", keep_weights=True)
+        engine.train_step(train, LossSettings("gspo"))
+        check("offload_train_while_offloaded_refused", 1.0, False)
+    except RuntimeError as err:
+        ok = "offloaded" in str(err)
+        check("offload_train_while_offloaded_refused", float(ok), ok)
+    engine.reload()
+
+
 def mode_save_layout(layout: ParallelLayout, workdir: Path) -> None:
     engine = engine_for(layout, optimizer=ADAM)
     batch = samples()
@@ -367,6 +454,7 @@ def main() -> int:
         "load-layout": lambda: mode_load_layout(layout, args.workdir),
         "nonfinite": lambda: mode_nonfinite(layout),
         "bad-input": lambda: mode_bad_input(layout, args.workdir),
+        "offload": lambda: mode_offload(layout, args.workdir),
     }
     for mode in args.mode.split(","):
         modes[mode]()

@@ -11,6 +11,19 @@ from launch import run_worker
 WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 
 
+OFFLOAD_CHECKS = {
+    "offload_optimizer_state_bitwise_identical",
+    "offload_all_state_bitwise_identical",
+    "offload_optimizer_metrics_identical",
+    "offload_all_metrics_identical",
+    "offload_all_frees_weights_and_gradients",
+    "offload_optimizer_keeps_weights_and_gradients",
+    "offload_all_frees_optimizer_state",
+    "offload_saved_checkpoint_resumes_exactly",
+    "offload_train_while_offloaded_refused",
+}
+
+
 def assert_all_ok(results: list[dict], expected: set[str]) -> None:
     names = {r["check"] for r in results}
     assert expected <= names, expected - names
@@ -20,10 +33,16 @@ def assert_all_ok(results: list[dict], expected: set[str]) -> None:
 
 def test_single_process_checks(tmp_path):
     """One launch: in-schedule loss gradient == autograd through policy_loss (gspo, grpo,
-    gspo_token); routing replay; Adam resume; non-finite handling; bad input."""
+    gspo_token); routing replay; Adam resume; non-finite handling; bad input; offloading the
+    state between steps (bitwise identical, storages freed, saved while offloaded)."""
     results = run_worker(
         WORKER,
-        ["--mode", "gradient,replay,resume,nonfinite,bad-input", "--workdir", str(tmp_path)],
+        [
+            "--mode",
+            "gradient,replay,resume,nonfinite,bad-input,offload",
+            "--workdir",
+            str(tmp_path),
+        ],
     )
     assert_all_ok(
         results,
@@ -41,14 +60,17 @@ def test_single_process_checks(tmp_path):
             "error_too_long",
             "error_empty_response",
             "error_other_architecture",
+            *OFFLOAD_CHECKS,
         },
     )
 
 
 @pytest.mark.distributed
-def test_resume_with_distributed_optimizer_over_two_ranks(tmp_path):
-    results = run_worker(WORKER, ["--mode", "resume", "--workdir", str(tmp_path)], nproc=2)
-    assert_all_ok(results, {"resume_params_identical", "resume_grad_norm_identical"})
+def test_resume_and_offload_with_distributed_optimizer_over_two_ranks(tmp_path):
+    results = run_worker(WORKER, ["--mode", "resume,offload", "--workdir", str(tmp_path)], nproc=2)
+    assert_all_ok(
+        results, {"resume_params_identical", "resume_grad_norm_identical", *OFFLOAD_CHECKS}
+    )
 
 
 @pytest.mark.distributed

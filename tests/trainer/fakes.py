@@ -143,6 +143,13 @@ class ForwardCall:
 
 
 @dataclass
+class OffloadCall:
+    engine: str  # "policy" or "reference"
+    what: str | None  # None for a reload
+    keep_weights: bool = False
+
+
+@dataclass
 class TrainCall:
     samples: list[TrainSample]
     loss: LossSettings
@@ -168,7 +175,8 @@ class WeightUpdate:
 
 @dataclass
 class Journal:
-    """Every engine call, in order: ("generate" | "forward" | "train" | "update_weights", call)."""
+    """Every engine call, in order: ("generate" | "forward" | "train" | "update_weights" |
+    "offload" | "reload", call)."""
 
     events: list[tuple[str, Any]] = field(default_factory=list)
 
@@ -237,6 +245,7 @@ class FakePolicy:
         self.trainable = True
         self.journal = journal if journal is not None else Journal()
         self.steps_done = 0
+        self.offloaded = False
         g = torch.Generator().manual_seed(seed)
         vocab = model_config.vocab_size
         table = 0.5 * torch.randn(vocab, vocab, generator=g, dtype=torch.float64)
@@ -255,6 +264,20 @@ class FakePolicy:
             self.own_counts = route_counts(self.own_routes, num)
 
     # -- the model -----------------------------------------------------------------------------
+
+    def offload(self, what: str, *, keep_weights: bool) -> dict[str, float]:
+        self.journal.add("offload", OffloadCall(self.name, what, keep_weights))
+        self.offloaded = True
+        return {"offload_bytes": float(sum(p.numel() * 8 for p in self.parameters()))}
+
+    def reload(self) -> dict[str, float]:
+        self.journal.add("reload", OffloadCall(self.name, None))
+        was, self.offloaded = self.offloaded, False
+        return {"reload_bytes": float(sum(p.numel() * 8 for p in self.parameters()))} if was else {}
+
+    def _check_resident(self) -> None:
+        if self.offloaded:
+            raise RuntimeError(f"the {self.name}'s state is offloaded")
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in (self.table, self.experts) if p is not None]
@@ -321,6 +344,7 @@ class FakePolicy:
         record_routes: bool = False,
         replay_routes: bool = False,
     ) -> FakeForwardResult:
+        self._check_resident()
         validate_samples(samples, self.max_sequence_length)
         with torch.no_grad():
             prev, nxt, _, routes = self._batch(samples, replay_routes)
@@ -354,6 +378,7 @@ class FakePolicy:
         """One SGD step on the real policy loss of `samples` (the whole minibatch)."""
         if not self.trainable:
             raise RuntimeError("a frozen engine (the KL reference) cannot train")
+        self._check_resident()
         validate_samples(samples, self.max_sequence_length)
         if any(s.old_logprobs is None for s in samples):
             raise ValueError("train_step needs old_logprobs on every sample")

@@ -613,6 +613,39 @@ def test_empty_responses_are_scored_counted_and_not_trained(composer, tokenizer,
     assert forwarded and all(s.response_ids for s in forwarded)
 
 
+@pytest.mark.parametrize(
+    "what, rollout, kl_coef",
+    [("optimizer", "embedded", 0.0), ("all", "embedded", 0.1), ("all", "sglang", 0.1)],
+)
+def test_offload_during_rollout_brackets_generation(composer, tokenizer, what, rollout, kl_coef):
+    overrides = ["trainer.steps=2", f"trainer.offload_during_rollout={what}",
+                 f"algorithm.kl_coef={kl_coef}"]  # fmt: skip
+    if rollout == "sglang":
+        overrides.append("rollout=sglang")  # the fake rollout engine stands in for the servers
+    cfg, model, layout = composer.resolve(*overrides)
+    run = build_fake_run(cfg, model, layout, tokenizer)
+    run.train()
+    plain = run_fake(composer, tokenizer, "trainer.steps=2", f"algorithm.kl_coef={kl_coef}")
+    for events in run.journal.steps():
+        kinds = [kind for kind, _ in events]
+        first_generate, first_forward = kinds.index("generate"), kinds.index("forward")
+        offloads = [c for kind, c in events[:first_generate] if kind == "offload"]
+        # The embedded engine generates with the policy's weights: they stay.
+        expected = [("policy", what, rollout == "embedded")]
+        if what == "all" and kl_coef:
+            expected.append(("reference", "all", False))
+        assert [(c.engine, c.what, c.keep_weights) for c in offloads] == expected
+        reloads = [i for i, kind in enumerate(kinds) if kind == "reload"]
+        assert len(reloads) == len(expected)
+        assert all(first_generate < i < first_forward for i in reloads)
+    assert not run.policy.offloaded
+    for (_, metrics), (_, reference) in zip(run.log.records, plain.log.records, strict=True):
+        assert metrics["perf/offload_bytes"] > 0 and metrics["perf/reload_bytes"] > 0
+        assert "time/offload" in metrics and "time/reload" in metrics
+        assert "time/offload" not in reference
+        assert metrics["actor/loss"] == reference["actor/loss"]
+
+
 def test_resume_repeats_the_uninterrupted_run(composer, tokenizer):
     whole = run_fake(composer, tokenizer, "trainer.steps=3", "algorithm.kl_coef=0.1")
     store = MemoryCheckpoints()
