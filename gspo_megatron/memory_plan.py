@@ -47,10 +47,12 @@ Assumptions of the estimate (parameters are exact; the rest is an estimate):
   per optimizer step, at engine.max_sequence_length per response).
 - Rollout, colocated: the embedded engine adds a KV cache of rollout.max_batch_tokens slots for
   this stage's layers plus one layer's prefill activations while generating (its cache is freed
-  before training). Colocated SGLang servers hold mem_fraction_static of the GPU while generating
-  (the training state stays resident: nothing is offloaded from megatron); with
-  offload_after_generate they keep ~2 GiB (CUDA context, graphs' pools) while training, without
-  it their whole fraction. Servers on other GPUs (disaggregated) cost the trainer nothing.
+  before training). Colocated SGLang servers hold mem_fraction_static of the GPU while generating;
+  with offload_after_generate they keep ~2 GiB (CUDA context, graphs' pools) while training,
+  without it their whole fraction. Servers on other GPUs (disaggregated) cost the trainer nothing.
+- While generating, trainer.offload_during_rollout frees: optimizer = the optimizer state; all =
+  also the gradient buffers, the KL reference's weights, and the policy's weights unless the
+  embedded engine generates with them. The rest of the training state stays resident.
 - Fixed overhead per GPU (CUDA context, NCCL communicators, library workspaces): 3 GiB, plus 10%
   of the activations for allocator fragmentation.
 """
@@ -190,6 +192,7 @@ class PlanSettings:
     # A frozen copy of the initial policy for the KL penalty (algorithm.kl_coef > 0): weights
     # only, no gradients or optimizer state.
     reference_model: bool = False
+    offload_during_rollout: str = "none"  # none | optimizer | all (trainer.offload_during_rollout)
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1 or self.microbatches < 1:
@@ -198,6 +201,11 @@ class PlanSettings:
             raise PlanError(f"GPU memory must be > 0 GiB, got {self.gpu_memory_gib}")
         if self.moe_imbalance < 1:
             raise PlanError(f"MoE imbalance must be >= 1, got {self.moe_imbalance}")
+        if self.offload_during_rollout not in ("none", "optimizer", "all"):
+            raise PlanError(
+                "offload during rollout must be none, optimizer or all, got "
+                f"{self.offload_during_rollout!r}"
+            )
 
 
 # -- activations (estimate) ------------------------------------------------------------------
@@ -272,6 +280,7 @@ class RankMemory:
     rollout_generating: float  # rollout engine's memory while generating
     overhead: float
     fragmentation: float
+    offloaded: float  # training state moved to host memory while generating
 
     @property
     def static(self) -> float:
@@ -289,7 +298,7 @@ class RankMemory:
 
     @property
     def generation_peak(self) -> float:
-        return self.static + self.rollout_generating + self.overhead
+        return self.static - self.offloaded + self.rollout_generating + self.overhead
 
     @property
     def peak(self) -> float:
@@ -314,7 +323,10 @@ class MemoryPlan:
     @property
     def max_sglang_fraction(self) -> float:
         """Largest colocated SGLang mem_fraction_static the worst stage leaves room for."""
-        room = min(self.settings.gpu_memory_gib - r.static - r.overhead for r in self.stages)
+        room = min(
+            self.settings.gpu_memory_gib - (r.static - r.offloaded) - r.overhead
+            for r in self.stages
+        )
         return max(0.0, room / self.settings.gpu_memory_gib)
 
     def table(self) -> str:
@@ -371,6 +383,10 @@ class MemoryPlan:
             tips.append("engine.recompute_activations=true")
         if w.activations > 1:
             tips.append("a smaller engine.max_tokens_per_microbatch")
+        if w.generation_peak >= w.training_peak and s.offload_during_rollout != "all":
+            tips.append(
+                "trainer.offload_during_rollout=all (the training state leaves while generating)"
+            )
         if s.rollout.mode == "sglang":
             tips.append(
                 f"a colocated SGLang mem_fraction_static <= {self.max_sglang_fraction:.2f} "
@@ -411,6 +427,7 @@ class MemoryPlan:
                     "overhead_gib": r.overhead + r.fragmentation,
                     "training_peak_gib": r.training_peak,
                     "generation_peak_gib": r.generation_peak,
+                    "offloaded_while_generating_gib": r.offloaded,
                 }
                 for r in self.stages
             ],
@@ -443,17 +460,26 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
             recompute += head
         act = recompute if settings.recompute else full
         gen, train = _rollout_share(model, layout, settings, stage)
+        weights = params.total * b / GIB
+        reference = weights if settings.reference_model else 0.0
+        grads = params.total * 4 / GIB
+        optimizer = optim_bytes * (params.dense / dense_shard + params.expert / expert_shard) / GIB
+        offloaded = 0.0
+        if settings.offload_during_rollout != "none":
+            offloaded = optimizer
+        if settings.offload_during_rollout == "all":
+            offloaded += (
+                grads + reference + (0.0 if settings.rollout.mode == "embedded" else weights)
+            )
         stages.append(
             RankMemory(
                 stage=stage,
                 ranks=(stage * per_stage, (stage + 1) * per_stage - 1),
                 params=params,
-                weights=params.total * b / GIB,
-                reference=params.total * b / GIB if settings.reference_model else 0.0,
-                grads=params.total * 4 / GIB,
-                optimizer=optim_bytes
-                * (params.dense / dense_shard + params.expert / expert_shard)
-                / GIB,
+                weights=weights,
+                reference=reference,
+                grads=grads,
+                optimizer=optimizer,
                 activations_full=full / GIB,
                 activations_recompute=recompute / GIB,
                 activations=act / GIB,
@@ -462,6 +488,7 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
                 rollout_generating=gen,
                 overhead=settings.overhead_gib,
                 fragmentation=settings.fragmentation * act / GIB,
+                offloaded=offloaded,
             )
         )
     return MemoryPlan(model=model, layout=layout, settings=settings, stages=tuple(stages))
@@ -522,6 +549,7 @@ def settings_from_config(
         moe_imbalance=moe_imbalance,
         overhead_gib=overhead_gib,
         reference_model=alg.kl_coef > 0,
+        offload_during_rollout=run_cfg.trainer.offload_during_rollout,
     )
 
 

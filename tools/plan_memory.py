@@ -15,6 +15,7 @@ Exit status: 0 fits, 1 does not fit, 2 bad configuration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -106,10 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     print(memory.table())
     if not memory.fits:
         print(f"change: {memory.advice()}")
-    if settings.rollout.mode == "sglang" or run_cfg.rollout.engine == "sglang":
+    print("trainer.offload_during_rollout, worst rank while generating:")
+    for option in ("none", "optimizer", "all"):
+        other = plan(model, layout, dataclasses.replace(settings, offload_during_rollout=option))
+        worst = max(other.stages, key=lambda r: r.generation_peak)
+        current = "  (this run)" if option == settings.offload_during_rollout else ""
         print(
-            f"colocated SGLang would have room for mem_fraction_static <= "
-            f"{memory.max_sglang_fraction:.2f}"
+            f"  {option:<9} frees {worst.offloaded:6.1f} GiB, generation peak "
+            f"{worst.generation_peak:6.1f} GiB; colocated SGLang mem_fraction_static <= "
+            f"{other.max_sglang_fraction:.2f}{current}"
         )
     if args.assumptions:
         print(ASSUMPTIONS)

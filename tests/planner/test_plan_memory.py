@@ -156,6 +156,37 @@ def test_rollout_shares():
         RolloutShare(mode="sglang")
 
 
+@pytest.mark.parametrize("rollout", ["embedded", "sglang"])
+def test_offload_during_rollout_frees_the_chosen_state_while_generating(rollout):
+    share = (
+        RolloutShare(mode="embedded", max_batch_tokens=65536)
+        if rollout == "embedded"
+        else RolloutShare(mode="sglang", mem_fraction=0.5)
+    )
+    common = dict(micro_batch_tokens=8192, tp=2, pp=2, sequence_parallel=True, ep=8)
+    plans = {
+        option: _plan(
+            "qwen3_30b_a3b", 16, rollout=share, reference_model=True,
+            offload_during_rollout=option, **common,
+        )
+        for option in ("none", "optimizer", "all")
+    }  # fmt: skip
+    for stage in range(2):
+        none, opt, everything = (plans[o].stages[stage] for o in ("none", "optimizer", "all"))
+        assert none.offloaded == 0 and opt.offloaded == pytest.approx(none.optimizer)
+        # The embedded engine generates with the policy's weights: they stay.
+        weights = 0 if rollout == "embedded" else none.weights
+        expected = none.optimizer + none.grads + none.reference + weights
+        assert everything.offloaded == pytest.approx(expected)
+        for r in (opt, everything):
+            assert r.generation_peak == pytest.approx(none.generation_peak - r.offloaded)
+            assert r.training_peak == none.training_peak  # back before training
+    fractions = [plans[o].max_sglang_fraction for o in ("none", "optimizer", "all")]
+    assert fractions == sorted(fractions) and fractions[0] < fractions[2]
+    with pytest.raises(PlanError, match="offload during rollout"):
+        PlanSettings(micro_batch_tokens=1, offload_during_rollout="weights")
+
+
 def test_worst_rank_is_reported():
     p = _plan(
         "qwen3_30b_a3b", 16, micro_batch_tokens=18432, tp=2, pp=2, ep=8, sequence_parallel=True
@@ -242,6 +273,11 @@ def test_tool_reports_fit_and_refuses_a_too_small_layout(capsys):
     out = json.loads(proc.stdout)
     assert out["fits"] and out["model_params"] == 235_093_634_560
     assert len(out["stages"]) == 2 and out["worst_stage"] in (0, 1)
+    proc = _tool("--nodes", "2", "+experiment=gspo_qwen3_30b_a3b", "data.task=add")
+    assert "trainer.offload_during_rollout, worst rank while generating:" in proc.stdout
+    frees = [line for line in proc.stdout.splitlines() if " frees " in line]
+    assert [line.split()[0] for line in frees] == ["none", "optimizer", "all"]
+    assert "(this run)" in frees[0]
     proc = _tool("--assumptions", "--nodes", "1", "--gpus-per-node", "2", "parallel=ep2")
     assert proc.returncode == 0 and "Assumptions" in proc.stdout
     proc = _tool("--nodes", "1", "--gpus-per-node", "3", "parallel=ep2")
