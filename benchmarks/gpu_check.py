@@ -63,7 +63,7 @@ PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, 
 # What the checks and the measurement import besides torch (gspo_megatron's runtime needs).
 NEEDED = ("megatron.core", "transformers", "safetensors", "yaml", "psutil", "tqdm", "hydra")
 WORKER = REPO / "tests" / "gpu" / "gpu_worker.py"
-CHECKS = "train,generate,export,checkpoint,logprobs"
+CHECKS = "train,generate,export,checkpoint,offload,logprobs"
 
 
 def ensure_installed(wheelhouse: Path) -> str:

@@ -321,17 +321,20 @@ def _hf_shapes(entry) -> list[tuple[int, ...]]:
     return [tuple(s) for s in entry.hf_shapes]
 
 
-def optimizer_state(engine: TrainingEngine) -> list[tuple[str, torch.Tensor]]:
-    """Copies of the fp32 main parameters and Adam state, in the optimizer's parameter order."""
+def optimizer_state(engine: TrainingEngine, copy: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """The fp32 main parameters and Adam state (copies unless `copy=False`), in the optimizer's
+    parameter order."""
     out = []
     for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
         inner = opt.optimizer
         for g, group in enumerate(inner.param_groups):
             for i, p in enumerate(group["params"]):
-                out.append((f"group{g}.{i}.main", p.detach().clone()))
+                out.append((f"group{g}.{i}.main", p.detach().clone() if copy else p))
                 for key, value in sorted(inner.state.get(p, {}).items()):
                     if isinstance(value, torch.Tensor):
-                        out.append((f"group{g}.{i}.{key}", value.detach().clone()))
+                        out.append(
+                            (f"group{g}.{i}.{key}", value.detach().clone() if copy else value)
+                        )
     return out
 
 
@@ -370,6 +373,67 @@ def check_checkpoint(report: Report) -> None:
         abs(m_saved["grad_norm"] - m_loaded["grad_norm"]),
         ok=same and m_saved["grad_norm"] == m_loaded["grad_norm"],
         detail="weights, loss and gradient norm of step 3",
+    )
+
+
+def allocated_bytes(engine: TrainingEngine) -> int:
+    """The allocator's figure on a GPU; on CPU (gpu_check --allow-cpu) the engine's storages."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+    tensors = [p for chunk in engine.unwrapped_chunks for p in chunk.parameters()]
+    tensors += [b.grad_data for m in engine.model for b in (*m.buffers, *m.expert_parallel_buffers)]
+    tensors += [t for _, t in optimizer_state(engine, copy=False)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def check_offload(report: Report) -> None:
+    """trainer.offload_during_rollout=all on the GPU: what leaves the allocator against the
+    memory planner's figure (parameters exact; DDP pads its buffers a little), and training with
+    offloads between steps bitwise identical to training without."""
+    from gspo_megatron.memory_plan import PlanSettings, RolloutShare, plan
+
+    adam = OptimizerSettings(name="adam", lr=1e-3, weight_decay=0.01)
+    engines = [build(optimizer=adam), build(optimizer=adam)]
+    for engine in engines:
+        randomize(engine, seed=11)
+    batch = with_old_logprobs(engines[0], samples(seed=12))
+    metrics: list[list[tuple[float, float]]] = [[], []]
+    freed_gib = []
+    for _ in range(3):
+        for k, engine in enumerate(engines):
+            m = engine.train_step(batch, LossSettings("gspo"))
+            metrics[k].append((m["loss"], m["grad_norm"]))
+        before = allocated_bytes(engines[0])
+        engines[0].offload("all", keep_weights=False)
+        freed_gib.append((before - allocated_bytes(engines[0])) / 2**30)
+        engines[0].reload()
+    memory = plan(
+        model_config("bfloat16"),
+        ParallelLayout(),
+        PlanSettings(
+            micro_batch_tokens=256,
+            rollout=RolloutShare(mode="sglang", mem_fraction=0.5),
+            offload_during_rollout="all",
+        ),
+    )
+    expected = memory.stages[0].offloaded
+    report.emit(
+        "offload/freed_vs_planner_rel",
+        abs(freed_gib[-1] - expected) / expected,
+        0.1,
+        detail=f"allocator freed {freed_gib[-1]:.4f} GiB, planner {expected:.4f} GiB",
+    )
+    a, b = params_of(engines[0]), params_of(engines[1])
+    same = all(torch.equal(a[n], b[n]) for n in a)
+    sa, sb = optimizer_state(engines[0]), optimizer_state(engines[1])
+    same_state = all(torch.equal(x, y) for (_, x), (_, y) in zip(sa, sb, strict=True))
+    report.emit(
+        "offload/training_bitwise_identical",
+        float(not (same and same_state and metrics[0] == metrics[1])),
+        0.0,
+        detail="weights, fp32 main parameters, Adam state, loss and gradient norm of 3 steps",
     )
 
 
@@ -466,7 +530,7 @@ def measure_bf16(seeds: int) -> None:
     }), flush=True)  # fmt: skip
 
 
-CHECKS = ("train", "generate", "export", "checkpoint", "logprobs")
+CHECKS = ("train", "generate", "export", "checkpoint", "offload", "logprobs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -502,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": lambda: check_generate(report),
         "export": lambda: check_export(report),
         "checkpoint": lambda: check_checkpoint(report),
+        "offload": lambda: check_offload(report),
         "logprobs": lambda: check_logprobs(report, args.reference),
     }
     for name in names:

@@ -41,6 +41,14 @@ def test_checkpoint_round_trip():
     assert "checkpoint/optimizer_state_identical" in {r["check"] for r in results}
 
 
+def test_offload_frees_what_the_planner_says_and_trains_identically():
+    results = run_check("offload")
+    assert {r["check"] for r in results} >= {
+        "offload/freed_vs_planner_rel",
+        "offload/training_bitwise_identical",
+    }
+
+
 @pytest.fixture(scope="module")
 def cpu_reference(tmp_path_factory) -> Path:
     """fp32 weights and log-probs from a CPU process (CUDA hidden)."""

@@ -50,7 +50,8 @@ def test_gpu_check_runs_on_cpu_with_a_tiny_preset(tmp_path):
     assert "MFU" in proc.stdout
     # the suite's checks (tests/gpu/gpu_worker.py) ran and passed in bf16 on CPU
     checks = {c["check"]: c for c in result["checks"]}
-    for prefix in ("train/", "generate[torch]/", "generate[megatron]/", "export/", "checkpoint/"):
+    for prefix in ("train/", "generate[torch]/", "generate[megatron]/", "export/", "checkpoint/",
+                   "offload/"):  # fmt: skip
         assert any(name.startswith(prefix) for name in checks), (prefix, sorted(checks))
     assert checks["logprobs/bf16_vs_cpu_fp32_max"]["tol"] == 0.1
     assert all(c["ok"] for c in checks.values()), [c for c in checks.values() if not c["ok"]]
