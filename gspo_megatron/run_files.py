@@ -35,7 +35,8 @@ METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_METRICS_FILE = "metrics.superseded.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 SUPERSEDED_DIR = "superseded"
-# Keys that may change when a run is resumed (length, schedule of outputs, resume mode).
+# Keys that may change when a run is resumed (length, schedule of outputs, resume mode, memory
+# placement, where the rollout servers are).
 _RESUMABLE_CHANGES = {
     "trainer.steps",
     "trainer.resume",
@@ -44,7 +45,14 @@ _RESUMABLE_CHANGES = {
     "trainer.save_every",
     "trainer.save_every_minutes",
     "trainer.keep_last",
+    "trainer.offload_during_rollout",
     "logging",
+    # Where the servers are is deployment, not the experiment: a requeued job may find them on
+    # other nodes.
+    "rollout.sglang.urls",
+    "rollout.sglang.router_url",
+    "rollout.sglang.master_address",
+    "rollout.sglang.master_port",
 }
 
 

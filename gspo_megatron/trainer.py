@@ -481,6 +481,8 @@ class Trainer:
             # Records of an earlier attempt that left no checkpoint are moved aside, not repeated.
             self.log.rewind(0)
             note("starting from step 0")
+            # Servers start with their launch weights, not necessarily the trainer's.
+            self.rollout.update_weights(self.weight_source, version=0)
             return
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])

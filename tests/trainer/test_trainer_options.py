@@ -382,7 +382,9 @@ def test_rl_options(composer, tokenizer, old, replay, kl_coef, dynamic):
     wanted, group_size = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     steps = run.journal.steps()
     assert len(steps) == 2
-    assert [c.version for c in run.journal.calls("update_weights")] == [1, 2]
+    # The rollout engine gets the trainer's weights before the first generation (version 0).
+    assert [c.version for c in run.journal.calls("update_weights")] == [0, 1, 2]
+    assert run.journal.events[0][0] == "update_weights"
     assert run.log.rewinds == [0] and sorted(run.checkpoints.saved) == [2]
     assert run.watchdog.started == run.watchdog.stopped == 1
     rollout_differs = False

@@ -146,7 +146,8 @@ class SGLangClient:
                 except TimeoutError as e:
                     raise SGLangTimeoutError(
                         f"{method} {full} timed out after {timeout.total:g} s "
-                        "(raise rollout request_timeout_s if generations are long)",
+                        "(raise rollout.sglang.request_timeout_s if generations are long, "
+                        "rollout.sglang.weight_update_timeout_s for weight updates)",
                         base,
                     ) from e
                 except aiohttp.ClientConnectionError as e:

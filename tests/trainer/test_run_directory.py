@@ -1,0 +1,34 @@
+"""A run directory is resumed only by a run of the same experiment: deployment (where the rollout
+servers are) and the output schedule may change, the experiment may not."""
+
+from __future__ import annotations
+
+import pytest
+
+from gspo_megatron.config import ConfigError, compose, resolve
+from gspo_megatron.run_files import check_run_directory
+
+SGLANG = ["rollout=sglang", "+rollout.sglang.urls=[http://node7:30000]"]
+
+
+def run_config(*overrides: str):
+    cfg, _, _ = resolve(compose([*SGLANG, *overrides]), 1)
+    return cfg
+
+
+def test_moved_servers_and_output_schedule_do_not_block_a_resume(tmp_path):
+    check_run_directory(tmp_path, run_config())
+    moved = run_config(
+        "rollout.sglang.urls=[http://node3:30000,http://node4:30000]",
+        "+rollout.sglang.master_address=node3",
+        "trainer.steps=1000",
+        "trainer.save_every=10",
+        "trainer.offload_during_rollout=all",
+    )
+    check_run_directory(tmp_path, moved)
+
+
+def test_another_experiment_is_refused_naming_the_keys(tmp_path):
+    check_run_directory(tmp_path, run_config())
+    with pytest.raises(ConfigError, match=r"different config \(.*algorithm\.loss\)"):
+        check_run_directory(tmp_path, run_config("algorithm=grpo"))
