@@ -270,6 +270,43 @@ def test_failed_update_raises_with_the_servers_reason(server):
     assert "/end_weight_update" not in paths(server)  # no finalize over partial weights
 
 
+@pytest.mark.parametrize("weight_sync", ["tensor", "disk"])
+def test_failed_update_fences_the_server_until_a_full_update_succeeds(
+    server, tmp_path, weight_sync
+):
+    path = "/update_weights_from_tensor" if weight_sync == "tensor" else "/update_weights_from_disk"
+    prompt, params = [[1, 2, 3]], SamplingParams(max_new_tokens=4, seed=3)
+    options = {"disk_dir": str(tmp_path)} if weight_sync == "disk" else {"bucket_bytes": 4096}
+    src = FakeSource(seed=6)
+    with make_engine([server.url], weight_sync=weight_sync, **options) as eng:
+        server.fault(path, "weight_fail")
+        with pytest.raises(WeightUpdateError):
+            eng.update_weights(src, version=1)
+        assert eng.stale == {server.url}
+        with pytest.raises(SGLangError, match="partly updated weights") as refused:
+            eng.generate(prompt, 1, params)
+        assert server.url in str(refused.value)
+        # The next update closes the session the failure left open and loads everything.
+        eng.update_weights(src, version=2)
+        assert not eng.stale and eng.version == 2
+        out = eng.generate(prompt, 1, params)
+    assert out[0][0].weight_version == 2
+    assert server.weights() == src.expected()
+    assert server.state()["version"] == "2" and not server.state()["session_open"]
+
+
+def test_a_session_left_open_by_a_killed_trainer_is_closed_by_the_next_one(server):
+    # A trainer killed between /begin_weight_update and /end_weight_update.
+    status, _ = _post_raw(server, "/begin_weight_update", {})
+    assert status == 200 and server.state()["session_open"]
+    src = FakeSource(seed=8)
+    with make_engine([server.url], weight_sync="tensor") as eng:
+        eng.update_weights(src, version=1)
+    seq = [p for p in paths(server) if p.endswith("_weight_update")]
+    assert seq[-4:-1] == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update"]
+    assert server.weights() == src.expected() and not server.state()["session_open"]
+
+
 def test_refused_distributed_bucket_fails_fast(server):
     with make_engine([server.url], weight_sync="distributed", group_backend="gloo") as eng:
         server.fault("/update_weights_from_distributed", "weight_fail")

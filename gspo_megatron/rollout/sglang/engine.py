@@ -185,6 +185,10 @@ class SGLangEngine:
     def __init__(self, cfg: SGLangEngineConfig) -> None:
         self.cfg = cfg
         self.version = 0
+        # Servers whose last weight update failed part-way: they may hold a mix of versions and
+        # generate nothing until a full update succeeds (SGLang warns that a failed update can
+        # leave partial weights).
+        self.stale: set[str] = set()
         self._routed_shape = self._resolve_routed_shape()
         # Workers (weight sync, control calls) and where /generate goes.
         self.urls = [normalize_url(u) for u in cfg.urls] + [lc.url for lc in cfg.launch]
@@ -270,6 +274,12 @@ class SGLangEngine:
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; SGLang rejects empty input_ids")
+        if self.stale:
+            raise SGLangError(
+                f"{', '.join(sorted(self.stale))} may hold partly updated weights (a weight "
+                "update failed): a full weight update must succeed before they generate",
+                sorted(self.stale)[0],
+            )
         await self._ensure_resident(MEMORY_TAGS)
         flat_prompts = [list(p) for p in prompts for _ in range(n)]
         base = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
@@ -392,7 +402,8 @@ class SGLangEngine:
         """Load the policy from `source` into every server and tag later samples with `version`.
 
         Raises WeightUpdateError with the server's reason on failure; then the servers may hold
-        partly updated weights and the run must stop (restart the servers before reusing them).
+        partly updated weights: they are `stale` and generate nothing until a full update
+        succeeds (a weight-update session the failure left open is closed by the next one).
         """
         if source is None:
             raise ValueError("SGLangEngine.update_weights needs a WeightSource (got None)")
@@ -409,6 +420,7 @@ class SGLangEngine:
         t0 = time.perf_counter()
         try:
             self._run(self._ensure_resident(("weights",)))
+            self.stale = set(self.urls)
             mode = self.cfg.weight_sync
             if mode == "tensor":
                 self._update_tensor(source, version)
@@ -421,9 +433,11 @@ class SGLangEngine:
         except SGLangError as e:
             raise WeightUpdateError(
                 f"weight update to version {version} ({self.cfg.weight_sync}) failed: {e}. The "
-                "servers may hold partly updated weights: restart them before reuse.",
+                "servers may hold partly updated weights: they generate nothing until a full "
+                "update succeeds.",
                 e.url,
             ) from e
+        self.stale.clear()
         self.version = version
         logger.info(
             "SGLang weights -> version %d (%s) in %.2f s",
@@ -462,8 +476,35 @@ class SGLangEngine:
         answers = await self._post_all(path, {}, retry=NO_RETRY)
         self._check_success(path, answers)
 
-    def _check_success(self, path: str, answers: Sequence[Any]) -> None:
-        for url, ans in zip(self.urls, answers, strict=True):
+    async def _begin_session(self) -> None:
+        """/begin_weight_update on every server. A session that an earlier failed or killed
+        update left open is ended first (SGLang refuses a second begin): the full update that
+        follows replaces whatever it had loaded, and the engine serves nothing until then."""
+        path = "/begin_weight_update"
+
+        def left_open(reason: str) -> bool:
+            return "already open" in reason
+
+        async def begin(url: str) -> Any:
+            try:
+                answer = await self._client.post(url, path, {}, retry=NO_RETRY)
+                refused = isinstance(answer, dict) and answer.get("success") is not True
+                if not (refused and left_open(str(answer.get("message")))):
+                    return answer
+            except SGLangHTTPError as e:
+                if not left_open(e.reason):
+                    raise
+            logger.warning("%s: closing a weight-update session an earlier update left open", url)
+            ended = await self._client.post(url, "/end_weight_update", {}, retry=NO_RETRY)
+            self._check_success("/end_weight_update", [ended], [url])
+            return await self._client.post(url, path, {}, retry=NO_RETRY)
+
+        self._check_success(path, await _gather_or_cancel([begin(u) for u in self.urls]))
+
+    def _check_success(
+        self, path: str, answers: Sequence[Any], urls: Sequence[str] | None = None
+    ) -> None:
+        for url, ans in zip(self.urls if urls is None else urls, answers, strict=True):
             if not (isinstance(ans, dict) and ans.get("success") is True):
                 reason = ans.get("message") if isinstance(ans, dict) else ans
                 raise WeightUpdateError(f"{url}{path} failed: {reason}", url)
@@ -471,7 +512,7 @@ class SGLangEngine:
     def _update_tensor(self, source: WeightSource, version: int) -> None:
         tp = self._run(self._tp_sizes())
         path = "/update_weights_from_tensor"
-        self._run(self._session_call("/begin_weight_update"))
+        self._run(self._begin_session())
         for bucket in source.buckets(self.cfg.bucket_bytes):
             bodies, keep_alive = {}, []
             for url in self.urls:
@@ -592,7 +633,7 @@ class SGLangEngine:
         if self._group is None:
             self._group = self._init_group(tp)
         path = "/update_weights_from_distributed"
-        self._run(self._session_call("/begin_weight_update"))
+        self._run(self._begin_session())
         for bucket in source.buckets(self.cfg.bucket_bytes):
             aligned = ws.order_for_alignment(bucket)
             body = ws.distributed_update_body(aligned, self.cfg.group_name, str(version))
