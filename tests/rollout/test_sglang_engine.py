@@ -110,6 +110,10 @@ class FakeSource:
         }  # fmt: skip
 
 
+# An attached server's memory state is learned at first use (each tag resumed on its own).
+MEMORY_PROBE = ("/resume_memory_occupation",)
+
+
 def paths(srv) -> list[str]:
     return [e["path"] for e in srv.log()]
 
@@ -196,7 +200,7 @@ def test_tensor_sync_wraps_buckets_in_begin_end(server):
         eng.update_weights(src, version=1)
         after = eng.generate([[1, 2, 3]], 1, SamplingParams(max_new_tokens=4, seed=3))
     log = server.log()
-    seq = [e["path"] for e in log if e["path"] != "/server_info"]
+    seq = [e["path"] for e in log if e["path"] not in ("/server_info", *MEMORY_PROBE)]
     updates = [e for e in log if e["path"] == "/update_weights_from_tensor"]
     assert len(updates) >= 3  # several buckets
     assert seq == (
@@ -225,7 +229,9 @@ def test_distributed_sync_broadcasts_over_a_real_group(server, server_b):
         (g,) = eng.generate([[5]], 1, SamplingParams(max_new_tokens=2, seed=0))
         assert g[0].weight_version == 2
     for srv, offset in ((server, 1), (server_b, 3)):  # TP 2 then TP 1, after the trainer
-        log = [e for e in srv.log() if e["path"] not in ("/server_info", "/generate")]
+        log = [
+            e for e in srv.log() if e["path"] not in ("/server_info", "/generate", *MEMORY_PROBE)
+        ]
         init = next(e["body"] for e in log if e["path"] == "/init_weights_update_group")
         assert init["world_size"] == 4 and init["rank_offset"] == offset
         assert init["backend"] == "gloo"
@@ -373,6 +379,19 @@ def test_offload_releases_after_generate_and_resumes_when_needed(server):
 
 
 # ---- control calls ------------------------------------------------------------------------------
+
+
+def test_attaching_brings_back_released_memory_and_close_leaves_it_as_found(server):
+    # A previous run with offload_after_generate left the weights and KV cache released.
+    status, _ = _post_raw(server, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+    assert status == 200
+    src = FakeSource(seed=9)
+    with make_engine([server.url], weight_sync="tensor") as eng:
+        eng.update_weights(src, version=1)  # not into released memory
+        assert server.state()["released"] == []
+        eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    assert server.weights() == src.expected()
+    assert server.state()["released"] == ["kv_cache", "weights"]
 
 
 def test_pause_resume_flush_health(server):

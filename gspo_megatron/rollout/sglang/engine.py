@@ -196,6 +196,10 @@ class SGLangEngine:
         self._gen_urls = [self._router] if self._router else self.urls
         self._seed_rng = random.Random(cfg.seed)
         self._released: set[str] = set()
+        # Attached servers' released memory tags as found (a run before this one may have left
+        # them released), learned at first use; close() puts them back so.
+        self._attached = [normalize_url(u) for u in cfg.urls]
+        self._found_released: dict[str, set[str]] | None = None
         self._server_info: dict[str, dict] = {}
         self._group: torch.distributed.ProcessGroup | None = None
         self._disk = (
@@ -390,7 +394,48 @@ class SGLangEngine:
             await self._post_all("/release_memory_occupation", {"tags": todo})
             self._released.update(todo)
 
+    async def _adopt_memory_state(self) -> None:
+        """Bring back what a previous run left released on attached servers (a weight update
+        would write into released memory), noting it for close(). SGLang has no query for it:
+        resuming a tag that is resident is refused, so each tag is resumed on its own."""
+        if self._found_released is not None:
+            return
+
+        async def resume(url: str, tag: str) -> bool:
+            try:
+                await self._client.post(
+                    url, "/resume_memory_occupation", {"tags": [tag]}, retry=NO_RETRY,
+                    expect_json=False,
+                )  # fmt: skip
+            except SGLangHTTPError as e:
+                if e.status == 400:
+                    return False  # resident
+                raise
+            return True
+
+        found: dict[str, set[str]] = {}
+        for url in self._attached:
+            resumed = await asyncio.gather(*(resume(url, tag) for tag in MEMORY_TAGS))
+            found[url] = {tag for tag, was in zip(MEMORY_TAGS, resumed, strict=True) if was}
+            if found[url]:
+                logger.info("%s: memory %s was released; resumed it", url, sorted(found[url]))
+        self._found_released = found
+
+    async def _restore_memory_state(self) -> None:
+        """Leave attached servers' memory as found: released tags released, resident ones
+        resident."""
+        for url, found in (self._found_released or {}).items():
+            for path, tags in (
+                ("/release_memory_occupation", found - self._released),
+                ("/resume_memory_occupation", self._released - found),
+            ):
+                if tags:
+                    await self._client.post(
+                        url, path, {"tags": sorted(tags)}, retry=NO_RETRY, expect_json=False
+                    )
+
     async def _ensure_resident(self, tags: Sequence[str]) -> None:
+        await self._adopt_memory_state()
         todo = [t for t in MEMORY_TAGS if t in tags and t in self._released]
         if todo:
             await self._post_all("/resume_memory_occupation", {"tags": todo})
@@ -680,6 +725,10 @@ class SGLangEngine:
             try:
                 if self._group is not None and self.urls:
                     self._loop.run(self._destroy_group(missing_ok=False))
+                try:
+                    self._loop.run(self._restore_memory_state())
+                except SGLangError as e:  # the server may be gone: say so, close the rest
+                    logger.warning("could not restore the servers' memory state: %s", e)
                 self._loop.run(self._client.close())
             finally:
                 self._loop.close()
