@@ -4,6 +4,7 @@ sync mode with the begin/end protocol, memory release, control calls, and failur
 
 import hashlib
 import importlib.util
+import signal
 import socket
 import stat
 import sys
@@ -454,6 +455,31 @@ def test_slow_server_times_out_naming_the_url(server):
     with eng, pytest.raises(SGLangTimeoutError, match=r"/generate timed out after 0.5 s") as e:
         eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
     assert server.url in str(e.value)
+
+
+def test_hung_server_fails_after_the_liveness_deadline_not_the_request_timeout():
+    srv = fake.start_fake_server(routed_experts=False)
+    try:
+        with make_engine([srv.url], request_timeout_s=120.0, liveness_timeout_s=2.0) as eng:
+            eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
+            srv.proc.send_signal(signal.SIGSTOP)  # hung: connections open, nothing answers
+            t0 = time.monotonic()
+            with pytest.raises(SGLangTimeoutError, match="liveness_timeout_s=2") as e:
+                eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
+            assert time.monotonic() - t0 < 20
+            assert srv.url in str(e.value) and "answered no /health" in str(e.value)
+            srv.proc.send_signal(signal.SIGCONT)
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
+        srv.stop()
+
+
+def test_long_generation_on_a_live_server_outlasts_the_liveness_deadline(server):
+    server.fault("/generate", "slow", delay_s=3.0)
+    with make_engine([server.url], liveness_timeout_s=1.0) as eng:
+        t0 = time.monotonic()
+        (g,) = eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
+    assert len(g) == 1 and time.monotonic() - t0 >= 3.0  # health kept answering meanwhile
 
 
 def test_malformed_json_is_a_clear_error(server):

@@ -198,11 +198,14 @@ class SGLangClient:
         return await self.request("POST", url, path, {} if body is None else body, **kw)
 
     async def is_healthy(self, url: str, timeout_s: float = 5.0) -> bool:
-        """GET /health answers 200 (no retries; any failure is False)."""
+        """GET /health answers 200 within `timeout_s` (no retries; any failure is False). Not
+        queued behind generation requests: a liveness check must not wait for them."""
+        session = await self._ensure_session()
         try:
-            await self.request(
-                "GET", url, "/health", timeout_s=timeout_s, retry=NO_RETRY, expect_json=False
-            )
+            async with session.get(
+                normalize_url(url) + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
         except Exception:  # noqa: BLE001 - health is a yes/no question
             return False
-        return True

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +36,7 @@ from gspo_megatron.rollout.sglang.protocol import (
     SGLangError,
     SGLangHTTPError,
     SGLangProtocolError,
+    SGLangTimeoutError,
     WeightUpdateError,
     generate_body,
     parse_generate_response,
@@ -67,7 +69,10 @@ class SGLangEngineConfig:
     # Generation.
     samples_per_request: int = 32  # batch entries per /generate request
     max_concurrency: int = 64  # requests in flight over all servers
-    request_timeout_s: float = 1800.0
+    request_timeout_s: float = 1800.0  # one /generate request, however long its samples
+    # A server that answers no /health for this long while generating is hung or gone: its
+    # requests fail at once, naming it, instead of after request_timeout_s (0: no check).
+    liveness_timeout_s: float = 60.0
     connect_timeout_s: float = 10.0
     max_retries: int = 3  # on connection errors and 5xx, with exponential backoff
     backoff_s: float = 0.5
@@ -111,6 +116,8 @@ class SGLangEngineConfig:
         for key in ("samples_per_request", "max_concurrency", "bucket_bytes"):
             if getattr(self, key) < 1:
                 raise bad(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.liveness_timeout_s < 0:
+            raise bad("liveness_timeout_s", f"must be >= 0, got {self.liveness_timeout_s}")
         if self.weight_sync == "disk" and not self.disk_dir:
             raise bad("disk_dir", "weight_sync=disk needs a directory the servers can read")
         if self.offload_after_generate:
@@ -310,7 +317,7 @@ class SGLangEngine:
             prompts, seeds, params, return_routed_experts=self._routed_shape is not None
         )
         url = self._client.pick(self._gen_urls)
-        answer = await self._client.post(url, "/generate", body)
+        answer = await self._while_alive(url, self._client.post(url, "/generate", body))
         outs = parse_generate_response(
             answer,
             [len(p) for p in prompts],
@@ -333,6 +340,36 @@ class SGLangEngine:
                 )
             )
         return samples
+
+    async def _while_alive(self, url: str, request: Awaitable[Any]) -> Any:
+        """`request`'s answer; while it runs the server's /health is checked, and a server that
+        answers none for rollout.sglang.liveness_timeout_s fails the request at once."""
+        deadline = self.cfg.liveness_timeout_s
+        task = asyncio.ensure_future(request)
+        if not deadline:
+            return await task
+        interval = min(10.0, deadline / 4)
+        loop = asyncio.get_running_loop()
+        last_alive = loop.time()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=interval)
+                if done:
+                    return task.result()
+                if await self._client.is_healthy(url, timeout_s=interval):
+                    last_alive = loop.time()
+                elif loop.time() - last_alive >= deadline:
+                    raise SGLangTimeoutError(
+                        f"{url} answered no /health for {loop.time() - last_alive:.0f} s while "
+                        "generating: hung or gone (rollout.sglang.liveness_timeout_s="
+                        f"{deadline:g})",
+                        url,
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, SGLangError):
+                    await task
 
     # ---- control -----------------------------------------------------------------------------
 
@@ -405,7 +442,7 @@ class SGLangEngine:
             try:
                 await self._client.post(
                     url, "/resume_memory_occupation", {"tags": [tag]}, retry=NO_RETRY,
-                    expect_json=False,
+                    expect_json=False, timeout_s=self.cfg.liveness_timeout_s or None,
                 )  # fmt: skip
             except SGLangHTTPError as e:
                 if e.status == 400:
