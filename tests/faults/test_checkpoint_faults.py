@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from launch import REPO, checkpoint_tensors, gspo_train, gspo_train_env, read_metrics
 
@@ -105,18 +106,34 @@ def damage(kind: str, ckpt: Path) -> str:
     raise ValueError(kind)
 
 
-def test_damaged_checkpoints_are_named_and_skipped_together(tmp_path):
+EVERY_STEP_SAVED = ["trainer.save_every=1", "trainer.keep_last=5"]
+
+
+@pytest.fixture(scope="module")
+def five_saved_steps(tmp_path_factory) -> Path:
+    """A run of 5 steps with a checkpoint after each, all kept. Tests damage or resume copies of
+    it (`copy_run`): one run instead of one per test, each start of gspo-train costs seconds."""
+    run = tmp_path_factory.mktemp("five_saved_steps") / "run"
+    train(run, "trainer.steps=5", *EVERY_STEP_SAVED)
+    return run
+
+
+def copy_run(run: Path, target: Path) -> Path:
+    shutil.copytree(run, target)
+    return target
+
+
+def test_damaged_checkpoints_are_named_and_skipped_together(five_saved_steps, tmp_path):
     """Five checkpoints, the newest four damaged in four ways: the resume names each problem,
     moves them aside, resumes from the intact one and retrains from there."""
-    run = tmp_path / "run"
-    train(run, "trainer.steps=5", "trainer.save_every=1", "trainer.keep_last=5")
+    run = copy_run(five_saved_steps, tmp_path / "run")
     expected = {
         5: damage("truncated", step_dir(run, 5)),
         4: damage("flipped", step_dir(run, 4)),
         3: damage("no_manifest", step_dir(run, 3)),
         2: damage("no_dcp_metadata", step_dir(run, 2)),
     }
-    proc = train(run, "trainer.steps=6", "trainer.save_every=1", "trainer.keep_last=5")
+    proc = train(run, "trainer.steps=6", *EVERY_STEP_SAVED)
     for step, fragment in expected.items():
         line = next(x for x in proc.stderr.splitlines() if f"step_{step:06d} is unusable" in x)
         assert fragment in line, (fragment, line)
@@ -145,9 +162,8 @@ def test_no_usable_checkpoint_stops_the_run_and_loads_nothing(tmp_path):
     ]
 
 
-def test_resume_never_refuses_a_directory_with_checkpoints(tmp_path):
-    run = tmp_path / "run"
-    train(run, "trainer.steps=1")
+def test_resume_never_refuses_a_directory_with_checkpoints(five_saved_steps, tmp_path):
+    run = copy_run(five_saved_steps, tmp_path / "run")
     proc = train(run, "trainer.steps=2", "trainer.resume=never", expect="failure")
     assert "trainer.resume=never" in proc.stderr and "holds checkpoints" in proc.stderr
     proc = train(run, "trainer.steps=2", "trainer.resume=atuo", expect="failure")
@@ -222,11 +238,9 @@ def crafted_checkpoint(source: Path, target: Path, marker: Path) -> Path:
     return target
 
 
-def test_crafted_checkpoint_runs_no_code_at_any_entry_point(tmp_path):
-    run = tmp_path / "run"
-    train(run, "trainer.steps=1")
+def test_crafted_checkpoint_runs_no_code_at_any_entry_point(five_saved_steps, tmp_path):
     marker = tmp_path / "code_ran"
-    crafted = crafted_checkpoint(step_dir(run, 1), tmp_path / "crafted", marker)
+    crafted = crafted_checkpoint(step_dir(five_saved_steps, 1), tmp_path / "crafted", marker)
     env = gspo_train_env()
     entry_points = {
         "model.init_from": lambda: train(tmp_path / "a", f"model.init_from={crafted}",

@@ -1,11 +1,13 @@
 """Offline install: tools/make_wheelhouse.sh fetches a closed set of wheels for this machine's
 Python, and tools/install.sh --wheelhouse installs the package from it into a fresh virtual
 environment with no package index (as on an air-gapped GPU cluster, where torch is already
-installed). Downloads, so slow: ~2 minutes on 2 cores, mostly unpacking torch and the wheels.
+installed: here this environment's torch, linked in from outside the new one). Slow: ~1 minute
+on 2 cores, resolving the wheelhouse and unpacking its wheels.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import pytest
 from launch import REPO
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 
 def test_install_scripts_are_shellcheck_clean():
@@ -62,10 +66,12 @@ def test_offline_install_from_a_wheelhouse(tmp_path):
         proc = run(install, offline_env)  # before torch: one clear line, nothing installed
         assert proc.returncode == 1 and "torch is not installed" in proc.stderr, proc.stderr
 
-        # The CPU build of torch lies on this project's machines (pip's find-links), as a CUDA
-        # build would on a GPU cluster.
-        proc = run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], venv_env)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        # torch as a cluster image ships it, outside the environment: this environment's CPU
+        # build, as a CUDA build would be there (linked, not unpacked again: ~700 MB).
+        site_packages = venv / "lib" / f"python{version}" / "site-packages"
+        ship_outside(torch_closure(), tmp_path / "image", site_packages / "image.pth")
+        proc = run([python, "-m", "pip", "show", "torch"], venv_env)
+        assert proc.returncode == 0 and "Version: 2.13.0+cpu" in proc.stdout, proc.stderr
         timings["venv + torch"] = time.perf_counter() - started
     finally:
         downloaded = download.wait(timeout=600)
@@ -98,7 +104,37 @@ def test_offline_install_from_a_wheelhouse(tmp_path):
     torch_version, package, megatron = proc.stdout.split()
     timings["imports"] = time.perf_counter() - started
     assert torch_version == "2.13.0+cpu"  # never replaced from the wheelhouse
+    assert not list(site_packages.glob("torch*")), "pip installed torch into the environment"
     assert Path(package).is_relative_to(REPO)  # editable: this checkout
     assert Path(megatron).is_relative_to(venv)
     print(f"\nwheelhouse: {len(wheels)} wheels, {size_mb:.0f} MB; timings (s):", end=" ")
     print(", ".join(f"{k} {v:.0f}" for k, v in timings.items()))
+
+
+def torch_closure() -> list[importlib.metadata.Distribution]:
+    """torch and the distributions it needs, as installed in this environment."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    pending = ["torch"]
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        found[name] = importlib.metadata.distribution(name)
+        for line in found[name].requires or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                pending.append(canonicalize_name(requirement.name))
+    return list(found.values())
+
+
+def ship_outside(dists: list[importlib.metadata.Distribution], image: Path, pth: Path) -> None:
+    """Links to the files of `dists` in `image`, a directory that `pth` puts on the path of the
+    environment holding it, after its own site-packages (pip sees them installed there, and
+    does not uninstall what lies outside its environment)."""
+    image.mkdir()
+    for dist in dists:
+        site = Path(dist.locate_file(""))
+        tops = {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}
+        for top in tops:
+            (image / top).symlink_to(site / top)
+    pth.write_text(f"{image}\n")

@@ -52,22 +52,23 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_default_run_learns(tmp_path):
-    """The default configuration, shortened to 250 of its 600 steps: the reward of the last 20
-    steps is clearly above that of the first 20 (the full run reaches ~0.9, see README)."""
+    """The default configuration, shortened to 210 of its 800 steps: the reward of the last 20
+    steps is clearly above that of the first 20 (the full run reaches ~0.9, see README; at seed 0
+    the gain is ~0.15 by step 150, ~0.4 by step 210, ~0.5 by step 250)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         "-m",
         "gspo_megatron.train",
         f"hydra.run.dir={tmp_path}",
-        "trainer.steps=250",
+        "trainer.steps=210",
         "trainer.eval_every=125",
         "logging.progress=false",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     records = metrics(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, 251))
+    assert [r["step"] for r in records] == list(range(1, 211))
     start = sum(r["reward/mean"] for r in records[:20]) / 20
     end = sum(r["reward/mean"] for r in records[-20:]) / 20
     assert end > start + 0.15, (start, end)
@@ -99,7 +100,7 @@ def test_default_run_learns(tmp_path):
     # periodic checkpoints (trainer.save_every=100) and the final one; keep_last=2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step_000200",
-        "step_000250",
+        "step_000210",
     ]
 
 
@@ -240,6 +241,8 @@ def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
         server.stop()
     paths = [entry["path"] for entry in log]
     assert paths.count("/generate") >= 2
-    assert paths.count("/update_weights_from_disk") >= 2
+    # The servers hold the trainer's weights before the first generation, then after each step.
+    assert paths.count("/update_weights_from_disk") == 3
+    assert paths.index("/update_weights_from_disk") < paths.index("/generate")
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in weights
     assert len(metrics(tmp_path / "run")) == 2
