@@ -5,8 +5,9 @@ implements it), and packed sequences (THD). This module takes its place in the l
 spec: causal attention through `torch.nn.functional.scaled_dot_product_attention`; under CP it
 all-gathers keys and values over the CP group and masks by the global positions of megatron's
 load-balanced layout (rank r holds sequence chunks r and 2*cp-1-r of 2*cp equal chunks, of every
-packed sequence separately). Packed sequences are attended one at a time, so attention never
-crosses a sequence boundary and no [T, T] mask is built.
+packed sequence separately). Packed sequences are attended in groups of consecutive sequences
+of at most GROUP_TOKENS tokens under a block-diagonal causal mask (a longer one alone, without a
+mask), so attention never crosses a sequence boundary and no mask exceeds GROUP_TOKENS^2.
 """
 
 from __future__ import annotations
@@ -132,22 +133,22 @@ class LocalCoreAttention(MegatronModule):
             key = _GatherSequence.apply(key, self.cp_group)
             value = _GatherSequence.apply(value, self.cp_group)
         outputs, start = [], 0
-        for length in lengths:
-            q = query[start : start + length, None]
-            if cp_size > 1:
-                # Rank r's chunks of this sequence sit at the same offset of its part.
-                local = query.shape[0]
-                k = torch.cat(
-                    [key[r * local + start : r * local + start + length] for r in range(cp_size)]
-                )
-                v = torch.cat(
-                    [value[r * local + start : r * local + start + length] for r in range(cp_size)]
-                )
-                mask = _cp_causal_mask(length, cp_rank, cp_size, query.device)
-            else:
-                k, v, mask = key[start : start + length], value[start : start + length], None
+        for group in _attention_groups(lengths):
+            size = sum(group)
+            q = query[start : start + size, None]
+            # Rank r's chunks of these sequences sit at the same offset of its part.
+            local = query.shape[0]
+            k = torch.cat(
+                [key[r * local + start : r * local + start + size] for r in range(cp_size)]
+            )
+            v = torch.cat(
+                [value[r * local + start : r * local + start + size] for r in range(cp_size)]
+            )
+            mask = None
+            if cp_size > 1 or len(group) > 1:
+                mask = _packed_causal_mask(group, cp_rank, cp_size, query.device)
             outputs.append(self._attend(q, k[:, None], v[:, None], mask))
-            start += length
+            start += size
         return torch.cat(outputs)
 
     def _attend(self, query, key, value, mask) -> torch.Tensor:
@@ -165,6 +166,39 @@ class LocalCoreAttention(MegatronModule):
         )
         # [b, heads, s, d] -> [s, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * self.head_dim)
+
+
+# Consecutive packed sequences are attended together up to this many tokens (one masked call
+# instead of one call per sequence: short sequences cost launches, not arithmetic); a longer
+# sequence is attended alone, causally, with no mask.
+GROUP_TOKENS = 256
+
+
+def _attention_groups(lengths: list[int]) -> list[list[int]]:
+    groups: list[list[int]] = []
+    for length in lengths:
+        if groups and sum(groups[-1]) + length <= GROUP_TOKENS:
+            groups[-1].append(length)
+        else:
+            groups.append([length])
+    return groups
+
+
+def _packed_causal_mask(lengths: list[int], cp_rank: int, cp_size: int, device) -> torch.Tensor:
+    """[local queries, keys of every rank] for consecutive packed sequences of these local
+    lengths: a key is visible to a query of the same sequence at the same or an earlier global
+    position."""
+    ids = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
+
+    def positions(rank: int) -> torch.Tensor:
+        return torch.cat([cp_chunk_positions(n, rank, cp_size, device) for n in lengths])
+
+    q_pos = positions(cp_rank)
+    k_pos = torch.cat([positions(r) for r in range(cp_size)])
+    k_ids = ids.repeat(cp_size)
+    return (k_ids[None, :] == ids[:, None]) & (k_pos[None, :] <= q_pos[:, None])
 
 
 def _cp_causal_mask(local_length: int, cp_rank: int, cp_size: int, device) -> torch.Tensor:

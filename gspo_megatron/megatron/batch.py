@@ -257,19 +257,22 @@ def build_microbatch(
     # This CP rank's positions of every sequence, and where they land in the packed row.
     local = [cp_index(n, cp_size, cp_rank) if cp_size > 1 else torch.arange(n) for n in seq_lengths]
     row_len = max(len(x) for x in local)
+    # Every kept token as (sequence, position in it, column in its row), in packed order.
+    rows = torch.cat([torch.full((len(x),), row) for row, x in enumerate(local)])
+    positions = torch.cat(local)
+    columns = torch.cat([torch.arange(len(x)) for x in local])
 
     def to_rows(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or t.dim() < 2:
             return t
         out = t.new_zeros((b, row_len) + tuple(t.shape[2:]))
-        for row, positions in enumerate(local):
-            out[row, : len(positions)] = t[row, positions]
+        out[rows, columns] = t[rows, positions]
         return out
 
     def to_model(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None or not packed:
             return to_rows(t)
-        return torch.cat([t[row, positions] for row, positions in enumerate(local)])[None]
+        return t[rows, positions][None]
 
     row_index = cu_seqlens = None
     if packed:

@@ -360,6 +360,12 @@ def _patch_megatron() -> None:
     p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
     p2p.P2PCommunicator._communicate_shapes = _communicate_shapes_in_order
 
+    # Unfused RoPE for packed sequences applies each sequence separately: four kernels per
+    # sequence, layer and q/k, which on CPU costs more than the attention itself. Gathering each
+    # token's frequencies at once is the same elementwise arithmetic.
+    rope = importlib.import_module("megatron.core.models.common.embeddings.rope_utils")
+    rope._apply_rotary_pos_emb_thd = _rope_thd_gathered(rope)
+
     # The RNG tracker switches generator states through private helpers that reach
     # `torch.cuda.default_generators` via `_lazy_call`, which without CUDA queues the call and
     # never runs it: forks would silently keep the caller's state.
@@ -375,6 +381,41 @@ def _patch_megatron() -> None:
     logging.getLogger(random.__name__).addFilter(
         lambda record: "CPU RNG state changed" not in record.getMessage()
     )
+
+
+def _rope_thd_gathered(rope):
+    per_sequence = rope._apply_rotary_pos_emb_thd
+
+    @functools.wraps(per_sequence)
+    def apply(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False,
+              mscale=1.0, cp_group=None, multi_latent_attention=None):  # fmt: skip
+        if (
+            cp_group is None
+            or multi_latent_attention is not None
+            or (freqs.dim() >= 1 and freqs.size(0) == int(cu_seqlens[-1]))
+        ):
+            return per_sequence(
+                t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
+                multi_latent_attention=multi_latent_attention,
+            )  # fmt: skip
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        positions = []
+        for length in ((cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size).tolist():
+            if cp_size == 1:
+                positions.append(torch.arange(length))
+                continue
+            # This rank's chunks r and 2*cp-1-r of the sequence (megatron's THD CP layout).
+            chunk = length // 2
+            positions.append(torch.arange(chunk) + cp_rank * chunk)
+            positions.append(torch.arange(chunk) + (2 * cp_size - 1 - cp_rank) * chunk)
+        index = torch.cat(positions).to(freqs.device)
+        return rope._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[index], rotary_interleaved=rotary_interleaved,
+            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale,
+        ).squeeze(1)  # fmt: skip
+
+    return apply
 
 
 def _fix_optimizer_fallback_path() -> None:
