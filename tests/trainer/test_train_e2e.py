@@ -210,9 +210,11 @@ def test_algorithm_options_run(tmp_path, overrides):
     for record in records:  # trained, or dynamic sampling found nothing to learn from
         assert "actor/loss" in record or record["sampling/groups_used"] == 0, record
     if "algorithm.kl_coef=0.01" in overrides:
-        # The reference is the initial policy: step 1's only minibatch trains from it.
-        assert records[0]["actor/kl_ref"] == 0.0
-        assert records[1]["actor/kl_ref"] > 0.0
+        # The reference is the initial policy: step 1's only minibatch trains from it. The
+        # reference forward and the training forward pack each sequence with other neighbours,
+        # so the same weights agree to float32 rounding (measured ~1e-15), not bitwise.
+        assert abs(records[0]["actor/kl_ref"]) < 1e-9
+        assert records[1]["actor/kl_ref"] > 1e-6
 
 
 def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
