@@ -32,6 +32,8 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
             f"{cfg.engine.max_sequence_length}"
         )
     _warn_about_memory(cfg, model, layout)
+    if cfg.rollout.engine == "sglang":
+        sglang_config(cfg)  # its errors before the model is built
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
@@ -141,13 +143,21 @@ def build_rollout(cfg: RunConfig, engine):
             ),
             None,
         )
-    from gspo_megatron.rollout.sglang import ServerLaunchConfig, SGLangEngine, SGLangEngineConfig
+    from gspo_megatron.rollout.sglang import SGLangEngine
     from gspo_megatron.rollout.weight_export import MegatronWeightSource
 
-    values = dict(r.sglang)
+    source = MegatronWeightSource.from_engine(engine)
+    # Rank 0, the weights' sender, launches and drives the servers (rollout/driver.py).
+    return SGLangEngine(sglang_config(cfg), leader=source.is_sender()), source
+
+
+def sglang_config(cfg: RunConfig):
+    """rollout.sglang as an SGLangEngineConfig; a bad key or value is a ConfigError."""
+    from gspo_megatron.rollout.sglang import ServerLaunchConfig, SGLangEngineConfig
+
+    values = dict(cfg.rollout.sglang)
     try:
         values["launch"] = [ServerLaunchConfig(**entry) for entry in values.get("launch", [])]
-        sglang_cfg = SGLangEngineConfig(**values)
+        return SGLangEngineConfig(**values)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"rollout.sglang: {err}") from err
-    return SGLangEngine(sglang_cfg), MegatronWeightSource.from_engine(engine)

@@ -1,8 +1,9 @@
 """What the trainer needs from the other ranks: its rank, rank 0's objects, and votes.
 
 `ProcessGroupRanks` is torch.distributed's default group (NCCL on GPUs, so votes travel as
-accelerator tensors); `SingleRank` is a job of one process with no process group, for tests and
-tools that drive the trainer without torch.distributed.
+accelerator tensors) and, on GPUs, a gloo group for objects; `SingleRank` is a job of one
+process with no process group, for tests and tools that drive the trainer without
+torch.distributed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.device import accelerator
+from gspo_megatron.device import accelerator, on_accelerator
 
 
 class Ranks(Protocol):
@@ -29,10 +30,13 @@ class Ranks(Protocol):
 class ProcessGroupRanks:
     def __init__(self) -> None:
         self.rank = dist.get_rank()
+        # Objects (rollout samples with their routes can be gigabytes) travel through host
+        # memory on a gloo group, not through accelerator buffers on NCCL.
+        self._objects = dist.new_group(backend="gloo") if on_accelerator() else None
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._objects)
         return box[0]
 
     def any(self, flags: Sequence[bool]) -> list[bool]:

@@ -260,13 +260,12 @@ def preflight(
         return Preflight([*lines, f"error: config: {type(err).__name__}: {err}"], ok=False)
     lines.append(f"layout: {layout.describe()}")
     if run_cfg.rollout.engine == "sglang":
-        from gspo_megatron.rollout.sglang.engine import SGLangEngineConfig
+        from gspo_megatron.components import sglang_config
 
         try:
-            SGLangEngineConfig(**run_cfg.rollout.sglang)
-        except Exception as err:  # noqa: BLE001 - whatever the engine would fail with at start
-            message = f"error: config: rollout.sglang: {type(err).__name__}: {err}"
-            return Preflight([*lines, message], ok=False)
+            sglang_config(run_cfg)
+        except ConfigError as err:
+            return Preflight([*lines, f"error: config: {err}"], ok=False)
         lines.append(f"rollout: SGLang servers {run_cfg.rollout.sglang.get('urls') or 'launched'}")
     ok = True
     missing = missing_paths(run_cfg)

@@ -30,7 +30,14 @@ from gspo_megatron.config import RunConfig
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
 from gspo_megatron.ranks import Ranks
-from gspo_megatron.rollout.engine import RolloutEngine, RolloutSample, SamplingParams, WeightSource
+from gspo_megatron.rollout.driver import RolloutDriver
+from gspo_megatron.rollout.engine import (
+    RolloutEngine,
+    RolloutSample,
+    RolloutUnavailableError,
+    SamplingParams,
+    WeightSource,
+)
 from gspo_megatron.run_files import note
 from gspo_megatron.run_health import RunHealth
 from gspo_megatron.spec.loss import LossSettings
@@ -60,7 +67,8 @@ class Trainer:
     engine / reference: `train_step`, `forward`, `layout.dp`, `model_config.is_moe`,
         `current_lr()`, and `offload` / `reload` with trainer.offload_during_rollout
         (gspo_megatron.megatron.engine.TrainingEngine).
-    rollout, weight_source: a RolloutEngine and what it syncs weights from.
+    rollout, weight_source: a RolloutEngine and what it syncs weights from, called through a
+        RolloutDriver (rank 0 alone generates with server engines, and shares the samples).
     scorer, tokenizer, train_data, eval_data: rewards, text, prompts.
     ranks: this rank, rank 0's objects and votes (gspo_megatron.ranks).
     log: metrics sink (run_files.MetricsLogger: write, rewind, summary, close).
@@ -88,6 +96,7 @@ class Trainer:
         self.cfg = cfg
         self.engine = engine
         self.rollout = rollout
+        self.rollouts = RolloutDriver(rollout, ranks, weight_source)
         self.scorer = scorer
         self.tokenizer = tokenizer
         self.eval_data = eval_data
@@ -141,8 +150,15 @@ class Trainer:
             if offloading:
                 with _timed(timings, "offload"):
                     moved.update(self.offload_for_rollout())
-            with _timed(timings, "generate"):
-                batch = self.generate()
+            sampler_at_start = self.sampler.state_dict()
+            try:
+                with _timed(timings, "generate"):
+                    batch = self.generate()
+            except RolloutUnavailableError:
+                # The step never happened: checkpoint the state before it, then stop.
+                self.sampler.load_state_dict(sampler_at_start)
+                self.save()
+                raise
             if offloading:
                 with _timed(timings, "reload"):
                     moved.update(self.reload_after_rollout())
@@ -160,7 +176,12 @@ class Trainer:
             last = self.step_metrics(batch, train_metrics, timings)
             every = self.cfg.trainer.eval_every
             if (every and self.step % every == 0) or self.step == self.cfg.trainer.steps:
-                last.update(self.evaluate())
+                try:
+                    last.update(self.evaluate())
+                except RolloutUnavailableError:
+                    self.log.write(self.step, last)  # the step trained: keep its record
+                    self.save()
+                    raise
             self.log.write(self.step, last)
             verdict = self.health.check(last)
             save_now, self.stop_requested = self._agree_on_save_and_stop()
@@ -241,7 +262,7 @@ class Trainer:
             stop_token_ids=self.stop_token_ids,
             seed=_derive_seed(self.cfg.seed, self.step, step_seed),
         )
-        groups = self.rollout.generate([p.prompt_ids for p in prompts], r.group_size, params)
+        groups = self.rollouts.generate([p.prompt_ids for p in prompts], r.group_size, params)
         batch = RolloutBatch(prompts=list(prompts), groups=groups)
         batch.rewards = self.score(batch)
         return batch
@@ -424,7 +445,7 @@ class Trainer:
         return merged
 
     def sync_weights(self) -> None:
-        self.rollout.update_weights(self.weight_source, version=self.step + 1)
+        self.rollouts.update_weights(self.step + 1)
 
     def evaluate(self) -> dict[str, float]:
         """avg@k reward, pass@1 and pass@k on the held-out prompts."""
@@ -440,7 +461,7 @@ class Trainer:
             stop_token_ids=self.stop_token_ids,
             seed=_derive_seed(self.cfg.seed, -1, 0),
         )
-        groups = self.rollout.generate([p.prompt_ids for p in prompts], r.eval_samples, params)
+        groups = self.rollouts.generate([p.prompt_ids for p in prompts], r.eval_samples, params)
         batch = RolloutBatch(prompts=prompts, groups=groups)
         rewards = self.score(batch)
         solved = rewards >= 1.0
@@ -466,6 +487,7 @@ class Trainer:
         metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train.items()})
         metrics.update({f"time/{k}": v for k, v in timings.items()})
         metrics.update(batch.stats)
+        metrics.update(self.rollouts.fault_metrics())
         return metrics
 
     # -- checkpoints and signals ---------------------------------------------------------------
@@ -482,13 +504,13 @@ class Trainer:
             self.log.rewind(0)
             note("starting from step 0")
             # Servers start with their launch weights, not necessarily the trainer's.
-            self.rollout.update_weights(self.weight_source, version=0)
+            self.rollouts.update_weights(0)
             return
         self.step = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.log.rewind(self.step)
         note(f"resumed at step {self.step}")
-        self.rollout.update_weights(self.weight_source, version=self.step)
+        self.rollouts.update_weights(self.step)
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, frame):

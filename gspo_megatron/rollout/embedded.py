@@ -238,6 +238,8 @@ class EmbeddedEngine:
     "torch" or "megatron". `stats` holds this rank's counts for the last call.
     """
 
+    generates_on_every_rank = True
+
     def __init__(
         self,
         training_engine: TrainingEngine,

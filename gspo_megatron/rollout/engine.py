@@ -18,6 +18,16 @@ import torch
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class RolloutUnavailableError(RuntimeError):
+    """No rollout server could generate within the engine's recovery deadline: the step cannot
+    complete (the trainer checkpoints the state before it and stops)."""
+
+
+class WeightsNotLoadedError(RuntimeError):
+    """A weight update reached no server. They generate nothing until a later update of the
+    same version reaches them (the trainer re-syncs them before they generate)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings for one generate call (SGLang's names and conventions)."""
@@ -73,7 +83,16 @@ class WeightSource(Protocol):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine."""
+    """What the trainer needs from a rollout engine.
+
+    `generates_on_every_rank`: true for engines whose generation is collective over the
+    trainer's ranks (the embedded engine); false for server engines, which generate on rank 0
+    (the trainer shares the samples) and also offer `start_generate`, `servers_to_resync`,
+    `update_weights(..., urls=)`, `resync_poll_s` and `fault_metrics`
+    (gspo_megatron/rollout/driver.py, gspo_megatron/rollout/sglang/engine.py).
+    """
+
+    generates_on_every_rank: bool
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams

@@ -9,6 +9,8 @@ is refused and the policy's parameters are device tensors.
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 from gspo_megatron.megatron import device_emulation
 
@@ -33,7 +35,10 @@ def _prove_emulation(train):
             "mixed_op_refused": refused,
             "params_on_device": all(device_emulation.on_device(p) for p in params),
         }
-        print(json.dumps(proof), flush=True)
+        # One write() of the whole line: the ranks share the pipe, and print() writes the text
+        # and the newline separately (two ranks' lines interleaved).
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), (json.dumps(proof) + "\n").encode())
         return train(self)
 
     return checked

@@ -29,10 +29,12 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +126,8 @@ class FakeServer:
         """Make the next `count` requests to `path` misbehave. Kinds: 500 (an error answer),
         malformed (2xx with broken JSON), slow (answer after `delay_s`), close (drop the
         connection), weight_fail (a weight update answers sglang's failure), hold (a /generate
-        stays in flight until /abort_request)."""
+        stays in flight until /abort_request), 503 (unavailable), exit (the process dies with
+        the request in flight)."""
         self._call(
             "POST", "/_test/fault", {"path": path, "kind": kind, "count": count, "delay_s": delay_s}
         )
@@ -162,6 +165,8 @@ def start_fake_server(
     health_delay_s: float = 0.0,
     vocab_size: int = VOCAB_SIZE,
     timeout_s: float = 60.0,
+    port: int = 0,
+    extra_args: Sequence[str] = (),
 ) -> FakeServer:
     """Start a test server process and wait for its READY line. The process shares this
     process's multiprocessing authkey, so CPU tensors passed by file descriptor (tensor mode on
@@ -171,12 +176,13 @@ def start_fake_server(
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
-        "--port", "0",
+        "--port", str(port),
         "--tp-size", str(tp_size),
         "--dp-size", str(dp_size),
         "--health-delay-s", str(health_delay_s),
         "--vocab-size", str(vocab_size),
     ]  # fmt: skip
+    cmd += list(extra_args)
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
     if api_key:
@@ -194,6 +200,22 @@ def start_fake_server(
             break
     proc.kill()
     raise RuntimeError(f"test SGLang server did not start (last line {line!r})")
+
+
+def fake_interpreter(directory: Path, *extra: str, name: str = "fake_python") -> Path:
+    """An interpreter for ServerLaunchConfig.python: `python -m sglang.launch_server ARGS` runs
+    this test server with ARGS (it reads the flags it knows) and `extra`."""
+    import shlex
+    import stat
+
+    script = Path(directory) / name
+    script.write_text(
+        "#!/bin/sh\nshift 2\n"
+        f'exec {shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__).resolve()))} "$@" '
+        f"{shlex.join(extra)}\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
 
 
 # ---- loading sglang's request classes (server process only) ------------------------------------
@@ -390,6 +412,32 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
     }
     unpaused = asyncio.Event()
     unpaused.set()
+    seen: dict[str, int] = {}
+
+    def scheduled_fault(path):
+        """--fault PATH:KIND:N[:COUNT[:DELAY_S]]: requests N .. N+COUNT-1 to PATH misbehave
+        as `kind` (the kinds of FakeServer.fault, and hang: the process stops answering)."""
+        for spec in args.fault:
+            target, kind, start, *rest = spec.split(":")
+            count = int(rest[0]) if rest else 1
+            delay = float(rest[1]) if len(rest) > 1 else 0.0
+            if path == target and int(start) <= seen[path] < int(start) + count:
+                return {"kind": kind, "delay_s": delay}
+        return None
+
+    def exit_now(path):
+        """--exit-at PATH:N[:MARKER]: die at the N-th request to PATH (once, with a marker
+        file: a restarted process finds it and lives)."""
+        if not args.exit_at:
+            return False
+        target, count, *marker = args.exit_at.split(":", 2)
+        if path != target or seen[path] != int(count):
+            return False
+        if marker:
+            if Path(marker[0]).exists():
+                return False
+            Path(marker[0]).touch()
+        return True
 
     def json_response(body, status=200):
         return web.Response(
@@ -448,12 +496,19 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         if not path.startswith("/health"):  # probes are not part of the protocol under test
             state["log"].append({"path": path, "method": request.method, "body": summarize(body)})
         request["json"] = body
+        seen[path] = seen.get(path, 0) + 1
         faults = state["faults"].get(path)
-        fault = faults.pop(0) if faults else None
+        fault = faults.pop(0) if faults else scheduled_fault(path)
+        if fault and fault["kind"] == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)  # hung: connections open, nothing answers
         if fault and fault["kind"] == "slow":
             await asyncio.sleep(fault["delay_s"])
         if fault and fault["kind"] == "500":
             return json_response({"error": {"message": "injected internal error"}}, 500)
+        if fault and fault["kind"] == "503":
+            return json_response({"error": {"message": "injected: service unavailable"}}, 503)
+        if (fault and fault["kind"] == "exit") or exit_now(path):
+            os._exit(1)  # the process dies with the request in flight
         if fault and fault["kind"] == "close":
             request.transport.close()  # the client sees the connection drop
             return web.Response(status=500)
@@ -518,6 +573,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
                 500,
             )
         await unpaused.wait()
+        await asyncio.sleep(args.generate_delay_s)
         fault = request["fault"]
         out = []
         aborted = False
@@ -578,6 +634,18 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             state["weights"][name] = t.clone()
         if version is not None:
             state["version"] = version
+        if args.state_file:  # what a process that may die held, for the test to read
+            held = {"version": state["version"], "weights": weight_sums()}
+            tmp = Path(args.state_file + ".tmp")
+            tmp.write_text(json.dumps(held))
+            tmp.replace(args.state_file)
+
+    def weight_sums():
+        return {
+            name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                   "sha256": _sha256(t)}
+            for name, t in state["weights"].items()
+        }  # fmt: skip
 
     @routes.post("/begin_weight_update")
     async def begin(request):
@@ -862,11 +930,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
 
     @routes.get("/_test/weights")
     async def get_weights(request):
-        out = {}
-        for name, t in state["weights"].items():
-            out[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                         "sha256": _sha256(t)}  # fmt: skip
-        return json_response(out)
+        return json_response(weight_sums())
 
     @routes.get("/_test/state")
     async def get_state(request):
@@ -964,7 +1028,11 @@ def main() -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--health-delay-s", type=float, default=0.0)
     p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
-    args = p.parse_args()
+    p.add_argument("--exit-at", default=None, help="PATH:N[:MARKER], see exit_now")
+    p.add_argument("--fault", action="append", default=[], help="see scheduled_fault")
+    p.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate's time")
+    p.add_argument("--state-file", default=None, help="weights held, written at each update")
+    args, _ = p.parse_known_args()  # launch_command's other flags (model path, host, ...)
     args.ready_at = time.monotonic() + args.health_delay_s
     if key := os.environ.get("SGLANG_TEST_AUTHKEY"):
         multiprocessing.current_process().authkey = bytes.fromhex(key)

@@ -6,8 +6,6 @@ import hashlib
 import importlib.util
 import signal
 import socket
-import stat
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from gspo_megatron.ranks import SingleRank
+from gspo_megatron.rollout.driver import RolloutDriver
+from gspo_megatron.rollout.engine import RolloutEngine, RolloutUnavailableError, SamplingParams
 from gspo_megatron.rollout.sglang import (
     ServerLaunchConfig,
-    SGLangConnectionError,
     SGLangEngine,
     SGLangEngineConfig,
     SGLangError,
@@ -27,6 +26,7 @@ from gspo_megatron.rollout.sglang import (
     SGLangTimeoutError,
     WeightUpdateError,
 )
+from gspo_megatron.rollout.sglang.servers import ServerState, ServersUnavailableError
 
 try:  # tests/rollout may or may not be a package
     from . import sglang_test_server as fake
@@ -269,11 +269,16 @@ def test_disk_sync_writes_safetensors_and_loads_them(server, tmp_path):
 
 def test_failed_update_raises_with_the_servers_reason(server):
     server.fault("/update_weights_from_tensor", "weight_fail")
-    with make_engine([server.url]) as eng:
+    with make_engine([server.url], health_check_interval_s=0.2) as eng:
         with pytest.raises(WeightUpdateError, match="injected shape mismatch") as e:
             eng.update_weights(FakeSource(seed=6), version=7)
-        assert eng.version == 0  # nothing else is touched
-    assert server.url in str(e.value)
+        # Version 7 is the policy's now; the server is fenced until it holds it, and due for
+        # another full update one health-check interval after the failed one.
+        assert eng.version == 7 and eng.pool.in_state(ServerState.STALE) == [server.url]
+        assert eng.servers_to_resync() == []
+        time.sleep(0.3)
+        assert eng.servers_to_resync() == [server.url]
+    assert server.url in str(e.value) and "failed on every server" in str(e.value)
     assert "/end_weight_update" not in paths(server)  # no finalize over partial weights
 
 
@@ -285,17 +290,17 @@ def test_failed_update_fences_the_server_until_a_full_update_succeeds(
     prompt, params = [[1, 2, 3]], SamplingParams(max_new_tokens=4, seed=3)
     options = {"disk_dir": str(tmp_path)} if weight_sync == "disk" else {"bucket_bytes": 4096}
     src = FakeSource(seed=6)
-    with make_engine([server.url], weight_sync=weight_sync, **options) as eng:
+    fast = {"recovery_timeout_s": 1.0, "health_check_interval_s": 0.2}
+    with make_engine([server.url], weight_sync=weight_sync, **options, **fast) as eng:
         server.fault(path, "weight_fail")
         with pytest.raises(WeightUpdateError):
             eng.update_weights(src, version=1)
-        assert eng.stale == {server.url}
-        with pytest.raises(SGLangError, match="partly updated weights") as refused:
-            eng.generate(prompt, 1, params)
-        assert server.url in str(refused.value)
+        assert eng.pool.in_state(ServerState.STALE) == [server.url]
+        with pytest.raises(ServersUnavailableError, match="stale .*weight update to version 1"):
+            eng.generate(prompt, 1, params)  # waits recovery_timeout_s for a current server
         # The next update closes the session the failure left open and loads everything.
         eng.update_weights(src, version=2)
-        assert not eng.stale and eng.version == 2
+        assert eng.pool.serving() == [server.url] and eng.version == 2
         out = eng.generate(prompt, 1, params)
     assert out[0][0].weight_version == 2
     assert server.weights() == src.expected()
@@ -321,6 +326,11 @@ def test_refused_distributed_bucket_fails_fast(server):
         with pytest.raises(WeightUpdateError, match="injected shape mismatch"):
             eng.update_weights(FakeSource(seed=7), version=1)
         assert time.monotonic() - t0 < 20  # not the group timeout
+        # The broken group is rebuilt by the next update, which loads everything.
+        src = FakeSource(seed=8)
+        eng.update_weights(src, version=2)
+        assert eng.pool.serving() == [server.url]
+    assert server.weights() == src.expected()
 
 
 def _post_raw(srv, path: str, body: dict) -> tuple[int, bytes]:
@@ -435,8 +445,9 @@ def test_5xx_is_retried_then_succeeds(server):
 
 
 def test_persistent_5xx_gives_up_naming_the_url(server):
-    server.fault("/generate", "500", count=10)
-    with make_engine([server.url]) as eng, pytest.raises(SGLangHTTPError) as e:
+    server.fault("/generate", "500", count=100)
+    eng = make_engine([server.url], max_resubmits=1)
+    with eng, pytest.raises(SGLangHTTPError) as e:
         eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
     assert e.value.status == 500 and "injected internal error" in str(e.value)
     assert f"{server.url}/generate" in str(e.value) and "3 attempts" in str(e.value)
@@ -451,7 +462,7 @@ def test_dropped_connection_is_retried(server):
 
 def test_slow_server_times_out_naming_the_url(server):
     server.fault("/generate", "slow", delay_s=3.0)
-    eng = make_engine([server.url], request_timeout_s=0.5)
+    eng = make_engine([server.url], request_timeout_s=0.5, max_resubmits=0)
     with eng, pytest.raises(SGLangTimeoutError, match=r"/generate timed out after 0.5 s") as e:
         eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
     assert server.url in str(e.value)
@@ -460,11 +471,18 @@ def test_slow_server_times_out_naming_the_url(server):
 def test_hung_server_fails_after_the_liveness_deadline_not_the_request_timeout():
     srv = fake.start_fake_server(routed_experts=False)
     try:
-        with make_engine([srv.url], request_timeout_s=120.0, liveness_timeout_s=2.0) as eng:
+        eng = make_engine(
+            [srv.url], request_timeout_s=120.0, liveness_timeout_s=2.0, recovery_timeout_s=2.0,
+            health_check_interval_s=0.5,
+        )  # fmt: skip
+        with eng:
             eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
             srv.proc.send_signal(signal.SIGSTOP)  # hung: connections open, nothing answers
             t0 = time.monotonic()
-            with pytest.raises(SGLangTimeoutError, match="liveness_timeout_s=2") as e:
+            # The request fails after the liveness deadline; no other server takes it within
+            # recovery_timeout_s.
+            hung = "suspect .*liveness_timeout_s=2"
+            with pytest.raises(ServersUnavailableError, match=hung) as e:
                 eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
             assert time.monotonic() - t0 < 20
             assert srv.url in str(e.value) and "answered no /health" in str(e.value)
@@ -503,11 +521,11 @@ def test_attach_to_a_closed_port_fails_naming_the_url():
 
 def test_server_that_dies_gives_a_connection_error():
     srv = fake.start_fake_server(routed_experts=False)
-    eng = make_engine([srv.url])
+    eng = make_engine([srv.url], recovery_timeout_s=1.0, health_check_interval_s=0.2)
     try:
         srv.stop()
         assert not eng.health()
-        with pytest.raises(SGLangConnectionError, match=f"cannot reach SGLang server at {srv.url}"):
+        with pytest.raises(ServersUnavailableError, match=f"{srv.url}: suspect .*cannot reach"):
             eng.generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
     finally:
         eng.close()
@@ -536,14 +554,8 @@ def test_missing_routed_experts_names_the_server_flag(server_b):
 
 def test_launch_waits_for_health_and_stops_the_server(tmp_path):
     """The launcher end to end, with `python -m sglang.launch_server` swapped for the test
-    server by a fake interpreter that reads the --port flag."""
-    script = tmp_path / "fake_python"
-    script.write_text(
-        "#!/bin/sh\n"
-        'while [ $# -gt 0 ]; do [ "$1" = "--port" ] && PORT=$2; shift; done\n'
-        f'exec {sys.executable} {Path(fake.__file__).resolve()} --port "$PORT" --tp-size 1\n'
-    )
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    server by a fake interpreter."""
+    script = fake.fake_interpreter(tmp_path)
     port = _closed_port()
     cfg = SGLangEngineConfig(
         launch=[ServerLaunchConfig(model_path="/nowhere", port=port, python=str(script))],
@@ -560,3 +572,160 @@ def test_launch_waits_for_health_and_stops_the_server(tmp_path):
         eng.close()
     with pytest.raises(OSError):  # stopped
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+# ---- faults: fencing, resubmission, restarts (docs/SGLANG.md, "Failures") ---------------------
+
+FAULTS = {"health_check_interval_s": 0.2, "restart_after_s": 5.0, "recovery_timeout_s": 30.0}
+PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+
+
+def _ids_and_logprobs(groups):
+    return [[(s.response_ids, s.logprobs, s.weight_version) for s in g] for g in groups]
+
+
+def test_requests_of_a_server_that_dies_finish_on_another_with_the_same_samples():
+    dying = fake.start_fake_server(routed_experts=False, extra_args=["--exit-at", "/generate:1"])
+    other = fake.start_fake_server(routed_experts=False)
+    params = SamplingParams(max_new_tokens=4, seed=11)
+    try:
+        with make_engine([other.url], samples_per_request=1, **FAULTS) as eng:
+            expected = eng.generate(PROMPTS, 2, params)
+        with make_engine([dying.url, other.url], samples_per_request=1, **FAULTS) as eng:
+            got = eng.generate(PROMPTS, 2, params)
+            counts = eng.fault_metrics()
+            assert eng.pool.serving() == [other.url]
+            assert eng.pool.servers[dying.url].state is ServerState.SUSPECT
+        assert dying.proc.wait(timeout=10) != 0  # it died mid-request
+    finally:
+        dying.stop()
+        other.stop()
+    assert _ids_and_logprobs(got) == _ids_and_logprobs(expected)  # same seeds, same samples
+    assert counts["rollout/requests_resubmitted"] >= 1 and counts["rollout/server_failures"] >= 1
+    assert counts["rollout/servers_healthy"] == 1
+
+
+def test_an_attached_server_that_comes_back_is_resynced_before_it_generates(tmp_path):
+    dying = fake.start_fake_server(routed_experts=False, extra_args=["--exit-at", "/generate:1"])
+    other = fake.start_fake_server(routed_experts=False)
+    src = FakeSource(seed=3, layers=1, experts=2)
+    back = None
+    try:
+        eng = make_engine(
+            [dying.url, other.url], weight_sync="disk", disk_dir=str(tmp_path), **FAULTS
+        )
+        with eng:
+            driver = RolloutDriver(eng, SingleRank(), src)
+            driver.update_weights(1)
+            driver.generate(PROMPTS, 2, SamplingParams(max_new_tokens=3, seed=1))
+            dying.proc.wait(timeout=10)
+            back = fake.start_fake_server(routed_experts=False, port=dying.port)  # launch weights
+            _wait_for(lambda: eng.pool.in_state(ServerState.STALE) == [dying.url])
+            assert "/generate" not in paths(back)  # fenced: it holds other weights
+            _wait_for(lambda: eng.servers_to_resync() == [dying.url])
+            eng.update_weights(src, 1, urls=[dying.url])
+            assert sorted(eng.pool.serving()) == sorted([dying.url, other.url])
+            groups = driver.generate(PROMPTS * 4, 2, SamplingParams(max_new_tokens=3, seed=2))
+        assert back.weights() == src.expected() and back.state()["version"] == "1"
+        assert "/generate" in paths(back)
+        assert {s.weight_version for g in groups for s in g} == {1}
+    finally:
+        for srv in (dying, other, back):
+            if srv is not None:
+                srv.stop()
+
+
+def test_a_launched_server_that_dies_is_restarted_resynced_and_its_requests_resubmitted(
+    tmp_path,
+):
+    port = _closed_port()
+    python = fake.fake_interpreter(tmp_path, "--exit-at", f"/generate:2:{tmp_path / 'died'}")
+    cfg = SGLangEngineConfig(
+        launch=[ServerLaunchConfig(model_path="/nowhere", port=port, python=str(python))],
+        weight_sync="disk", disk_dir=str(tmp_path / "sync"), log_dir=str(tmp_path / "logs"),
+        **FAST, **FAULTS,
+    )  # fmt: skip
+    src = FakeSource(seed=5, layers=1, experts=2)
+    params = SamplingParams(max_new_tokens=3, seed=4)
+    with SGLangEngine(cfg) as eng:
+        driver = RolloutDriver(eng, SingleRank(), src)
+        driver.update_weights(1)
+        first = driver.generate(PROMPTS, 2, params)
+        again = driver.generate(PROMPTS, 2, params)  # the server dies with this request
+        counts = eng.fault_metrics()
+        launched = fake.FakeServer(proc=None, port=port)
+        held, version = launched.weights(), launched.state()["version"]
+    assert _ids_and_logprobs(again) == _ids_and_logprobs(first)
+    assert counts["rollout/server_restarts"] == 1 and counts["rollout/requests_resubmitted"] >= 1
+    assert held == src.expected() and version == "1"  # re-synced before it served again
+    log = (tmp_path / "logs" / f"sglang_0_{port}.log").read_text()
+    assert log.count("READY") == 2  # the same command, started twice
+
+
+def test_a_server_that_refuses_an_update_is_fenced_and_resynced(server, server_b):
+    src = FakeSource(seed=12)
+    params = SamplingParams(max_new_tokens=3, seed=5)
+    server.fault("/update_weights_from_tensor", "weight_fail")
+    with make_engine([server.url, server_b.url], **FAULTS) as eng:
+        driver = RolloutDriver(eng, SingleRank(), src)
+        driver.update_weights(1)  # the other server took it: the run goes on
+        assert eng.pool.serving() == [server_b.url]
+        assert eng.fault_metrics()["rollout/weight_update_failures"] == 1
+        generated = [driver.generate(PROMPTS, 2, params)]
+        time.sleep(0.3)  # due for a re-sync
+        generated.append(driver.generate(PROMPTS, 2, params))
+        assert sorted(eng.pool.serving()) == sorted([server.url, server_b.url])
+    assert server.weights() == src.expected() == server_b.weights()
+    assert {s.weight_version for groups in generated for g in groups for s in g} == {1}
+
+
+def test_answers_from_other_weights_are_never_used(server, server_b):
+    src = FakeSource(seed=13)
+    with make_engine([server.url, server_b.url], samples_per_request=1, **FAULTS) as eng:
+        eng.update_weights(src, version=1)
+        server.reset()  # back to its launch weights behind the engine's back
+        groups = eng.generate(PROMPTS, 2, SamplingParams(max_new_tokens=3, seed=6))
+        counts = eng.fault_metrics()
+        assert eng.pool.in_state(ServerState.STALE) == [server.url]
+    assert {s.weight_version for g in groups for s in g} == {1}
+    assert counts["rollout/stale_answers"] >= 1
+
+
+def test_a_503_spell_is_waited_out(server):
+    server.fault("/generate", "503", count=4)  # max_retries=2: one request, then a resubmission
+    with make_engine([server.url], **FAULTS) as eng:
+        (g,) = eng.generate([[3]], 1, SamplingParams(max_new_tokens=2, seed=0))
+        assert eng.fault_metrics()["rollout/requests_resubmitted"] == 1
+    assert len(g) == 1 and paths(server).count("/generate") == 5
+
+
+def test_a_server_with_a_slow_health_check_loses_its_requests_to_another(server, server_b):
+    with make_engine([server.url, server_b.url], liveness_timeout_s=1.0, **FAULTS) as eng:
+        server.fault("/generate", "slow", delay_s=30.0)
+        server.fault("/health", "slow", count=100, delay_s=3.0)
+        t0 = time.monotonic()
+        groups = eng.generate([[1, 2]] * 4, 1, SamplingParams(max_new_tokens=2, seed=0))
+        assert time.monotonic() - t0 < 15
+        assert eng.fault_metrics()["rollout/requests_resubmitted"] >= 1
+    assert len(groups) == 4
+
+
+def test_the_deadline_ends_a_generation_that_no_server_can_serve():
+    srv = fake.start_fake_server(routed_experts=False)
+    eng = make_engine([srv.url], **{**FAULTS, "recovery_timeout_s": 1.0})
+    try:
+        srv.stop()
+        driver = RolloutDriver(eng, SingleRank(), FakeSource(seed=1))
+        t0 = time.monotonic()
+        with pytest.raises(RolloutUnavailableError, match=f"{srv.url}: suspect"):
+            driver.generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
+        assert time.monotonic() - t0 < 15
+    finally:
+        eng.close()
+
+
+def _wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)

@@ -161,6 +161,24 @@ def test_preflight_accepts_a_valid_config_and_composes_sglang_overrides(tmp_path
         (["parallel.ep=8"], 2, 8, None, "parallel.ep=8 must divide the model's 4 experts"),
         (["algorithm=nope"], 1, 1, None, "error: config:"),
         (["trainer.bogus=1"], 1, 1, None, "Could not override 'trainer.bogus'"),
+        (
+            [
+                "rollout=sglang",
+                "+rollout.sglang.urls=[http://r7:30000]",
+                "+rollout.sglang.recovery_timeout_s=0",
+            ],
+            1,
+            1,
+            None,
+            "rollout.sglang: rollout.sglang.recovery_timeout_s: must be > 0, got 0",
+        ),
+        (
+            ["rollout=sglang", "+rollout.sglang.launch=[{model_path:/m,prt:1}]"],
+            1,
+            1,
+            None,
+            "rollout.sglang: ServerLaunchConfig.__init__() got an unexpected keyword argument",
+        ),
         (["model=qwen3_30b_a3b", "parallel.ep=4"], 1, 4, 79.6, "does not fit in 79.6 GiB per GPU"),
         (
             ["data=jsonl", "data.train_files=[/nonexistent/train.jsonl]"],

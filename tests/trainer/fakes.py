@@ -505,6 +505,8 @@ class FakeRollout:
     `record_routes` every sample carries the experts of every consumed token (R3).
     """
 
+    generates_on_every_rank = True  # shares the policy, like the embedded engine
+
     def __init__(
         self,
         policy: FakePolicy,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import torch
 from launch import (
     REPO,
     checkpoint_tensors,
+    free_port,
     gspo_train,
     gspo_train_command,
     gspo_train_env,
@@ -215,6 +218,162 @@ def test_algorithm_options_run(tmp_path, overrides):
         # so the same weights agree to float32 rounding (measured ~1e-15), not bitwise.
         assert abs(records[0]["actor/kl_ref"]) < 1e-9
         assert records[1]["actor/kl_ref"] > 1e-6
+
+
+def _sglang_stand_in():
+    sys.path.insert(0, str(REPO / "tests" / "rollout"))
+    import sglang_test_server
+
+    return sglang_test_server
+
+
+# Server faults are noticed and waited out at test speed (docs/SGLANG.md, "Failures").
+SGLANG_FAULTS = [
+    "rollout=sglang",
+    "rollout.sglang.weight_sync=disk",
+    "+rollout.sglang.health_check_interval_s=0.2",
+    "+rollout.sglang.max_retries=1",
+    "+rollout.sglang.backoff_s=0.01",
+    "+rollout.sglang.samples_per_request=8",
+]
+
+
+def _safetensors_sums(directory: Path) -> dict[str, dict]:
+    """{name: shape, dtype, sha256} of a safetensors directory, as the stand-in reports them."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        for name, t in load_file(str(file)).items():
+            data = t.contiguous().view(torch.uint8).numpy().tobytes()
+            out[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                         "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
+    return out
+
+
+def test_sglang_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path):
+    """Two launched servers (the stand-in behind a fake interpreter) and two trainer ranks; one
+    server dies at its 5th /generate (step 3 of 8) with requests in flight. They are resubmitted
+    to the other server, the dead one is restarted with its launch command and given the
+    trainer's weights before it serves again, and the run completes: every step once, one
+    restart counted, and each server holds the trainer's last weights. (A /generate takes 1 s,
+    so that the restarted stand-in, ~3 s to start, is back before the run ends.)"""
+    fake = _sglang_stand_in()
+    launch = []
+    for i, dies in enumerate([["--exit-at", f"/generate:5:{tmp_path / 'died'}"], []]):
+        python = fake.fake_interpreter(
+            tmp_path, "--vocab-size", "48", "--state-file", str(tmp_path / f"held_{i}.json"),
+            "--generate-delay-s", "1", *dies, name=f"python_{i}",
+        )  # fmt: skip
+        launch.append(f"{{model_path:/nowhere,port:{free_port()},python:'{python}'}}")
+    train(
+        tmp_path / "run", "trainer.steps=8", "trainer.eval_every=0", *SGLANG_FAULTS,
+        f"+rollout.sglang.launch=[{','.join(launch)}]",
+        f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
+        f"+rollout.sglang.log_dir={tmp_path / 'logs'}",
+        nproc=2,
+    )  # fmt: skip
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert sum(r["rollout/server_restarts"] for r in records) == 1
+    assert sum(r["rollout/requests_resubmitted"] for r in records) >= 1
+    assert (tmp_path / "died").exists()
+    final = _safetensors_sums(tmp_path / "weights" / "weights_v8")
+    for i in range(2):
+        held = json.loads((tmp_path / f"held_{i}.json").read_text())
+        assert held["version"] == "8" and held["weights"] == final, f"server {i}"
+
+
+# Each server misbehaves in one way (the stand-in's --fault/--exit-at), and the log line its
+# failure leaves (engine state changes name the URL and the reason).
+FAULT_MODES = {
+    "exit_mid_request": (["--exit-at", "/generate:3"], "-> suspect (cannot reach"),
+    "hang": (["--fault", "/generate:hang:3"], "hung or gone"),
+    "503_for_a_while": (["--fault", "/generate:503:3:6"], "answered HTTP 503"),
+    "refused_update": (
+        ["--fault", "/update_weights_from_disk:weight_fail:2"],
+        "-> stale (weight update to version 1 failed",
+    ),
+    "slow_health": (["--fault", "/health:slow:4:2:3"], "-> suspect (no /health answer)"),
+    "sound": ([], None),
+}
+
+
+def test_sglang_fault_modes_through_gspo_train(tmp_path):
+    """Six attached servers, five misbehaving (FAULT_MODES): every step completes once on what
+    serves, each failure is one log line with its server's URL and the reason, and every server
+    that still answers at the end holds the trainer's last weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fake = _sglang_stand_in()
+    held = {mode: tmp_path / f"held_{mode}.json" for mode in FAULT_MODES}
+
+    def start(mode: str):
+        args = [*FAULT_MODES[mode][0], "--state-file", str(held[mode])]
+        return fake.start_fake_server(
+            routed_experts=False, vocab_size=48,
+            extra_args=[*args, "--generate-delay-s", "0.2"],
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(len(FAULT_MODES)) as pool:
+        servers = dict(zip(FAULT_MODES, pool.map(start, FAULT_MODES), strict=True))
+    steps = 6
+    try:
+        train(
+            tmp_path / "run", f"trainer.steps={steps}", "trainer.eval_every=0", *SGLANG_FAULTS,
+            f"+rollout.sglang.urls=[{','.join(s.url for s in servers.values())}]",
+            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
+            "+rollout.sglang.liveness_timeout_s=1", "rollout.sglang.samples_per_request=4",
+        )  # fmt: skip
+    finally:
+        for server in servers.values():
+            server.proc.send_signal(signal.SIGCONT)
+            server.stop()
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    total = {k: sum(r[k] for r in records) for k in records[0] if k.startswith("rollout/")}
+    assert total["rollout/requests_resubmitted"] >= 3  # exit, hang, 503
+    assert total["rollout/weight_update_failures"] == 1
+    log = (tmp_path / "run" / "train.rank0.log").read_text().splitlines()
+    for mode, (_, line) in FAULT_MODES.items():
+        url = servers[mode].url
+        if line is None:
+            assert not [x for x in log if f"server {url}: healthy ->" in x], mode
+        else:
+            assert [x for x in log if url in x and line in x], mode
+    final = _safetensors_sums(tmp_path / "weights" / f"weights_v{steps}")
+    for mode in ("503_for_a_while", "refused_update", "slow_health", "sound"):
+        state = json.loads(held[mode].read_text())
+        assert state["version"] == str(steps) and state["weights"] == final, mode
+
+
+def test_sglang_servers_down_past_the_deadline_checkpoint_and_stop(tmp_path):
+    """The only server dies at step 3: the run waits rollout.sglang.recovery_timeout_s, saves
+    the state before step 3, and exits non-zero with one line naming the server. With the server
+    back, the same command resumes there and completes, each step recorded once."""
+    fake = _sglang_stand_in()
+    server = fake.start_fake_server(
+        routed_experts=False, vocab_size=48, extra_args=["--exit-at", "/generate:3"]
+    )
+    run = tmp_path / "run"
+    args = [
+        "trainer.steps=4", "trainer.eval_every=0", *SGLANG_FAULTS,
+        "+rollout.sglang.recovery_timeout_s=3", "rollout.sglang.samples_per_request=32",
+        f"+rollout.sglang.urls=[{server.url}]", f"+rollout.sglang.disk_dir={tmp_path / 'w'}",
+    ]  # fmt: skip
+    try:
+        proc = train(run, *args, check=False)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("gspo-train: error: no SGLang server could generate for 3 s")
+        assert f"{server.url}: suspect" in last
+        assert [r["step"] for r in metrics(run)] == [1, 2]
+        assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002"]
+        server.proc.wait(timeout=10)
+        server = fake.start_fake_server(routed_experts=False, vocab_size=48, port=server.port)
+        train(run, *args)
+    finally:
+        server.stop()
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
 
 
 def test_sglang_rollouts_and_disk_weight_sync(tmp_path):

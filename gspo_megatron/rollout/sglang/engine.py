@@ -33,6 +33,7 @@ from gspo_megatron.rollout.sglang.launcher import (
     wait_until_healthy,
 )
 from gspo_megatron.rollout.sglang.protocol import (
+    SGLangConnectionError,
     SGLangError,
     SGLangHTTPError,
     SGLangProtocolError,
@@ -42,6 +43,7 @@ from gspo_megatron.rollout.sglang.protocol import (
     parse_generate_response,
     sample_seeds,
 )
+from gspo_megatron.rollout.sglang.servers import HealthSettings, Server, ServerPool, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,14 @@ class SGLangEngineConfig:
     # A server that answers no /health for this long while generating is hung or gone: its
     # requests fail at once, naming it, instead of after request_timeout_s (0: no check).
     liveness_timeout_s: float = 60.0
+    # Failures (docs/SGLANG.md): a /generate request that fails on a server (connection lost,
+    # 5xx after max_retries, liveness deadline, an answer from other weights) is resubmitted to
+    # a healthy server with the same seeds, at most max_resubmits times.
+    max_resubmits: int = 8
+    health_check_interval_s: float = 10.0  # every server's /health, and waits for one
+    restart_after_s: float = 60.0  # a launched server with no /health this long is restarted
+    max_restarts: int = 5  # per launched server over the run; then it stays out of service
+    recovery_timeout_s: float = 900.0  # generation waits this long for any server, then fails
     connect_timeout_s: float = 10.0
     max_retries: int = 3  # on connection errors and 5xx, with exponential backoff
     backoff_s: float = 0.5
@@ -116,8 +126,12 @@ class SGLangEngineConfig:
         for key in ("samples_per_request", "max_concurrency", "bucket_bytes"):
             if getattr(self, key) < 1:
                 raise bad(key, f"must be >= 1, got {getattr(self, key)}")
-        if self.liveness_timeout_s < 0:
-            raise bad("liveness_timeout_s", f"must be >= 0, got {self.liveness_timeout_s}")
+        for key in ("liveness_timeout_s", "max_resubmits", "max_restarts", "restart_after_s"):
+            if getattr(self, key) < 0:
+                raise bad(key, f"must be >= 0, got {getattr(self, key)}")
+        for key in ("health_check_interval_s", "recovery_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise bad(key, f"must be > 0, got {getattr(self, key)}")
         if self.weight_sync == "disk" and not self.disk_dir:
             raise bad("disk_dir", "weight_sync=disk needs a directory the servers can read")
         if self.offload_after_generate:
@@ -185,17 +199,19 @@ def _routed_shape_from_model(model_path: str) -> tuple[int, int] | None:
 class SGLangEngine:
     """RolloutEngine over SGLang servers. See docs/SGLANG.md for recipes.
 
-    Every trainer rank may hold one; only ranks whose WeightSource `is_sender()` talk to the
-    servers during weight sync (the others just drive the source's collectives).
+    Every trainer rank may hold one. The leader's (rank 0's, the weight source's sender) launches
+    and talks to the servers; the others only drive the weight source's collectives in
+    `update_weights`. The trainer generates on the leader alone and shares the samples
+    (gspo_megatron/rollout/driver.py), so fault handling decides once for all ranks.
     """
 
-    def __init__(self, cfg: SGLangEngineConfig) -> None:
+    generates_on_every_rank = False
+
+    def __init__(self, cfg: SGLangEngineConfig, *, leader: bool = True) -> None:
         self.cfg = cfg
+        self.leader = leader
         self.version = 0
-        # Servers whose last weight update failed part-way: they may hold a mix of versions and
-        # generate nothing until a full update succeeds (SGLang warns that a failed update can
-        # leave partial weights).
-        self.stale: set[str] = set()
+        self._updated = False  # before the first update the servers' launch weights count
         self._routed_shape = self._resolve_routed_shape()
         # Workers (weight sync, control calls) and where /generate goes.
         self.urls = [normalize_url(u) for u in cfg.urls] + [lc.url for lc in cfg.launch]
@@ -206,9 +222,15 @@ class SGLangEngine:
         # Attached servers' released memory tags as found (a run before this one may have left
         # them released), learned at first use; close() puts them back so.
         self._attached = [normalize_url(u) for u in cfg.urls]
-        self._found_released: dict[str, set[str]] | None = None
+        self._found_released: dict[str, set[str]] = {}
         self._server_info: dict[str, dict] = {}
         self._group: torch.distributed.ProcessGroup | None = None
+        self._group_urls: list[str] = []
+        # A group broken by a failure cannot be destroyed safely (a peer may never answer):
+        # its replacement gets a new name (group_name.1, .2, ...).
+        self._group_name = cfg.group_name
+        self._groups_dropped = 0
+        self._disk_latest: tuple[int, Path] | None = None
         self._disk = (
             ws.DiskWriter(cfg.disk_dir, cfg.disk_base_model_path)
             if cfg.weight_sync == "disk" and cfg.disk_dir
@@ -223,11 +245,28 @@ class SGLangEngine:
             max_concurrency=cfg.max_concurrency,
             retry=RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.backoff_max_s),
         )
+        self.pool = ServerPool(
+            [],
+            self._client,
+            HealthSettings(
+                check_interval_s=cfg.health_check_interval_s,
+                restart_after_s=cfg.restart_after_s,
+                startup_timeout_s=cfg.health_timeout_s,
+                max_restarts=cfg.max_restarts,
+                recovery_timeout_s=cfg.recovery_timeout_s,
+            ),
+            weights_current=self._holds_current_weights,
+            on_restart=self._forget,
+        )
+        if not leader:
+            return
         try:
             self._start_servers()
         except BaseException:
             self.close()
             raise
+        launched = {p.url: p for p in self._servers}
+        self.pool.servers = {u: Server(u, launched.get(u)) for u in self.urls}
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -273,24 +312,27 @@ class SGLangEngine:
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[RolloutSample]]:
         """`n` samples for each prompt, grouped per prompt in prompt order."""
-        return self._run(self._agenerate(prompts, n, params))
+        return self.start_generate(prompts, n, params).result()
+
+    def start_generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> concurrent.futures.Future[list[list[RolloutSample]]]:
+        """`generate` running on the client's loop; the caller may update stale servers'
+        weights meanwhile (`servers_to_resync`, `update_weights(..., urls=...)`)."""
+        if not self.leader:
+            raise RuntimeError("SGLangEngine.generate runs on the leader (rank 0) only")
+        if n < 1:
+            raise ValueError(f"samples per prompt must be >= 1, got {n}")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; SGLang rejects empty input_ids")
+        return self._loop.submit(self._agenerate(prompts, n, params))
 
     async def _agenerate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> list[list[RolloutSample]]:
-        if n < 1:
-            raise ValueError(f"samples per prompt must be >= 1, got {n}")
         if not prompts:
             return []
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty; SGLang rejects empty input_ids")
-        if self.stale:
-            raise SGLangError(
-                f"{', '.join(sorted(self.stale))} may hold partly updated weights (a weight "
-                "update failed): a full weight update must succeed before they generate",
-                sorted(self.stale)[0],
-            )
         await self._ensure_resident(MEMORY_TAGS)
         flat_prompts = [list(p) for p in prompts for _ in range(n)]
         base = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
@@ -313,17 +355,59 @@ class SGLangEngine:
     async def _generate_chunk(
         self, prompts: list[list[int]], seeds: list[int], params: SamplingParams
     ) -> list[RolloutSample]:
+        """One /generate request; on a server fault it goes to another healthy server with the
+        same body (same seeds), at most rollout.sglang.max_resubmits times."""
         body = generate_body(
             prompts, seeds, params, return_routed_experts=self._routed_shape is not None
         )
-        url = self._client.pick(self._gen_urls)
-        answer = await self._while_alive(url, self._client.post(url, "/generate", body))
-        outs = parse_generate_response(
-            answer,
-            [len(p) for p in prompts],
-            url + "/generate",
-            routed_experts_shape=self._routed_shape,
-        )
+        for attempt in range(self.cfg.max_resubmits + 1):
+            url = self._router or await self.pool.acquire()
+            stale = False
+            try:
+                answer = await self._while_alive(url, self._client.post(url, "/generate", body))
+            except (SGLangConnectionError, SGLangTimeoutError) as e:
+                error: SGLangError = e
+            except SGLangHTTPError as e:
+                if e.status < 500:
+                    raise
+                error = e
+            else:
+                outs = parse_generate_response(
+                    answer,
+                    [len(p) for p in prompts],
+                    url + "/generate",
+                    routed_experts_shape=self._routed_shape,
+                )
+                other = self._other_weights(outs)
+                if other is None:
+                    return self._samples(prompts, outs)
+                # Samples of other weights are never used (a server restarted behind a router,
+                # or one that missed an update): fence the server and ask another.
+                error = SGLangProtocolError(
+                    f"{url} answered with weight version {other!r}, not {self.version}", url
+                )
+                self.pool.counters["stale_answers"] += 1
+                stale = url in self.pool.servers
+                if stale:
+                    self.pool.set(url, ServerState.STALE, str(error))
+            if attempt == self.cfg.max_resubmits:
+                raise error
+            if not stale:
+                self.pool.failed(url, str(error))
+            self.pool.counters["requests_resubmitted"] += 1
+            logger.warning("resubmitting %d samples (same seeds) after: %s", len(prompts), error)
+        raise AssertionError("unreachable")
+
+    def _other_weights(self, outs: Sequence[Any]) -> str | None:
+        """The first weight version in `outs` that is not the engine's current one."""
+        if not self._updated:
+            return None
+        for out in outs:
+            if out.weight_version is not None and out.weight_version != str(self.version):
+                return out.weight_version
+        return None
+
+    def _samples(self, prompts: list[list[int]], outs: Sequence[Any]) -> list[RolloutSample]:
         samples = []
         for prompt, out in zip(prompts, outs, strict=True):
             version = self.version
@@ -340,6 +424,63 @@ class SGLangEngine:
                 )
             )
         return samples
+
+    # ---- server faults -----------------------------------------------------------------------
+
+    async def _holds_current_weights(self, url: str) -> bool:
+        if not self._updated:
+            return True
+        info = await self._client.get(url, "/model_info", retry=NO_RETRY, timeout_s=30.0)
+        return isinstance(info, dict) and str(info.get("weight_version")) == str(self.version)
+
+    def _forget(self, url: str) -> None:
+        """A restarted server: its cached info, and any weight-update group with it, are gone."""
+        self._server_info.pop(url, None)
+        if url in self._group_urls:
+            self._drop_group()
+
+    def _drop_group(self) -> None:
+        self._group, self._group_urls = None, []
+        self._groups_dropped += 1
+
+    @property
+    def resync_poll_s(self) -> float:
+        """How often a caller waiting on `start_generate` asks `servers_to_resync`."""
+        return min(5.0, self.cfg.health_check_interval_s)
+
+    def servers_to_resync(self) -> list[str]:
+        """Stale servers that answer and are due for a full weight update (the caller runs
+        `update_weights(source, version, urls=...)` on every rank). A launched server whose
+        updates failed twice running is restarted instead."""
+        if not self.leader or not self._updated:
+            return []
+
+        async def due() -> list[str]:
+            now, out = time.monotonic(), []
+            for url in self.pool.in_state(ServerState.STALE):
+                server = self.pool.servers[url]
+                if server.process is not None and server.resync_failures >= 2:
+                    await self.pool.restart(url, "its weight updates keep failing")
+                elif not server.resync_failures or (
+                    now - server.last_resync >= self.cfg.health_check_interval_s
+                ):
+                    out.append(url)
+            return out
+
+        return self._run(due())
+
+    def fault_metrics(self) -> dict[str, float]:
+        """Counts since the last call (restarts, resubmitted requests, ...) and the number of
+        healthy servers, as rollout/* metrics (the leader's; empty elsewhere)."""
+        if not self.leader:
+            return {}
+
+        async def take() -> dict[str, float]:
+            out = {f"rollout/{k}": float(v) for k, v in self.pool.take_counters().items()}
+            out["rollout/servers_healthy"] = float(len(self.pool.serving()))
+            return out
+
+        return self._run(take())
 
     async def _while_alive(self, url: str, request: Awaitable[Any]) -> Any:
         """`request`'s answer; while it runs the server's /health is checked, and a server that
@@ -383,7 +524,7 @@ class SGLangEngine:
         timeout_s: float | None = None,
         expect_json: bool = True,
     ) -> list[Any]:
-        targets = list(self.urls if urls is None else urls)
+        targets = list(self._reachable() if urls is None else urls)
         return await _gather_or_cancel(
             [
                 self._client.post(
@@ -425,18 +566,39 @@ class SGLangEngine:
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         self._run(self._ensure_resident(tags))
 
+    def _reachable(self) -> list[str]:
+        """Servers that answer (healthy or stale): the targets of control calls."""
+        if not self.pool.servers:
+            return list(self.urls)
+        return self.pool.in_state(ServerState.HEALTHY, ServerState.STALE)
+
+    async def _memory_call(self, path: str, tags: Sequence[str]) -> None:
+        """`path` for `tags` on every reachable server. A server that fails it is suspect; one
+        that refuses to resume what it holds (restarted since the release) is fine."""
+        urls = self._reachable()
+        answers = await asyncio.gather(
+            *(self._client.post(u, path, {"tags": list(tags)}, expect_json=False) for u in urls),
+            return_exceptions=True,
+        )
+        for url, answer in zip(urls, answers, strict=True):
+            resident = isinstance(answer, SGLangHTTPError) and answer.status == 400
+            if resident and path == "/resume_memory_occupation":
+                continue
+            if isinstance(answer, SGLangError):
+                self.pool.failed(url, f"{path}: {answer}")
+            elif isinstance(answer, BaseException):
+                raise answer
+
     async def _release(self, tags: Sequence[str]) -> None:
         todo = [t for t in tags if t not in self._released]
         if todo:
-            await self._post_all("/release_memory_occupation", {"tags": todo})
+            await self._memory_call("/release_memory_occupation", todo)
             self._released.update(todo)
 
     async def _adopt_memory_state(self) -> None:
         """Bring back what a previous run left released on attached servers (a weight update
         would write into released memory), noting it for close(). SGLang has no query for it:
         resuming a tag that is resident is refused, so each tag is resumed on its own."""
-        if self._found_released is not None:
-            return
 
         async def resume(url: str, tag: str) -> bool:
             try:
@@ -450,18 +612,26 @@ class SGLangEngine:
                 raise
             return True
 
-        found: dict[str, set[str]] = {}
+        found = self._found_released
         for url in self._attached:
-            resumed = await asyncio.gather(*(resume(url, tag) for tag in MEMORY_TAGS))
+            if url in found or url not in self._reachable():
+                continue  # known, or learned when it answers again
+            resumed = await asyncio.gather(
+                *(resume(url, tag) for tag in MEMORY_TAGS), return_exceptions=True
+            )
+            if error := next((r for r in resumed if isinstance(r, BaseException)), None):
+                if not isinstance(error, SGLangError):
+                    raise error
+                self.pool.failed(url, f"/resume_memory_occupation: {error}")
+                continue
             found[url] = {tag for tag, was in zip(MEMORY_TAGS, resumed, strict=True) if was}
             if found[url]:
                 logger.info("%s: memory %s was released; resumed it", url, sorted(found[url]))
-        self._found_released = found
 
     async def _restore_memory_state(self) -> None:
         """Leave attached servers' memory as found: released tags released, resident ones
         resident."""
-        for url, found in (self._found_released or {}).items():
+        for url, found in self._found_released.items():
             for path, tags in (
                 ("/release_memory_occupation", found - self._released),
                 ("/resume_memory_occupation", self._released - found),
@@ -475,24 +645,29 @@ class SGLangEngine:
         await self._adopt_memory_state()
         todo = [t for t in MEMORY_TAGS if t in tags and t in self._released]
         if todo:
-            await self._post_all("/resume_memory_occupation", {"tags": todo})
+            await self._memory_call("/resume_memory_occupation", todo)
             self._released.difference_update(todo)
 
     # ---- weight sync -------------------------------------------------------------------------
 
-    def update_weights(self, source: WeightSource | None, version: int) -> None:
-        """Load the policy from `source` into every server and tag later samples with `version`.
+    def update_weights(
+        self, source: WeightSource | None, version: int, urls: Sequence[str] | None = None
+    ) -> None:
+        """Load the policy from `source` into the servers and tag later samples with `version`.
 
-        Raises WeightUpdateError with the server's reason on failure; then the servers may hold
-        partly updated weights: they are `stale` and generate nothing until a full update
-        succeeds (a weight-update session the failure left open is closed by the next one).
+        `urls`: only these servers (re-syncing stale ones); default: every server that answers
+        (healthy or stale; the others are checked against `version` when they answer again).
+        A server that fails is fenced: `stale` when it refused (SGLang warns that a failed
+        update can leave partial weights), `suspect` when unreachable; it generates nothing
+        until a full update reaches it. Raises WeightUpdateError, with the reasons, only when
+        every target failed. Every trainer rank calls this (the source's collectives).
         """
         if source is None:
             raise ValueError("SGLangEngine.update_weights needs a WeightSource (got None)")
-        if not source.is_sender():
+        if not (self.leader and source.is_sender()):
             for _ in source.buckets(self.cfg.bucket_bytes):
                 pass  # the collectives inside the source need every rank
-            self.version = version
+            self.version, self._updated = version, True
             return
         if not self.urls:
             raise ValueError(
@@ -500,33 +675,85 @@ class SGLangEngine:
                 "only the router"
             )
         t0 = time.perf_counter()
-        try:
-            self._run(self._ensure_resident(("weights",)))
-            self.stale = set(self.urls)
-            mode = self.cfg.weight_sync
-            if mode == "tensor":
-                self._update_tensor(source, version)
-            elif mode == "distributed":
-                self._update_distributed(source, version)
-            else:
-                self._update_disk(source, version)
-        except WeightUpdateError:
-            raise
-        except SGLangError as e:
+        targets = list(self._reachable() if urls is None else urls)
+        live = list(targets)
+        failures: dict[str, SGLangError] = {}
+        self._run(self._ensure_resident(("weights",)))
+        live = [u for u in live if u in self._reachable()]
+        for url in targets:
+            if url not in live:
+                failures[url] = SGLangConnectionError(f"{url} did not answer", url)
+        mode = self.cfg.weight_sync
+        if mode == "tensor":
+            self._update_tensor(source, version, live, failures)
+        elif mode == "distributed":
+            self._update_distributed(source, version, live, failures)
+        else:
+            self._update_disk(source, version, live, failures)
+        self.version, self._updated = version, True
+        self._run(self._settle(targets, failures, version))
+        if targets and len(failures) == len(targets):
+            reasons = "; ".join(str(e) for e in failures.values())
             raise WeightUpdateError(
-                f"weight update to version {version} ({self.cfg.weight_sync}) failed: {e}. The "
-                "servers may hold partly updated weights: they generate nothing until a full "
-                "update succeeds.",
-                e.url,
-            ) from e
-        self.stale.clear()
-        self.version = version
+                f"weight update to version {version} ({mode}) failed on every server: "
+                f"{reasons}. They generate nothing until a full update succeeds.",
+                targets[0],
+            )
         logger.info(
-            "SGLang weights -> version %d (%s) in %.2f s",
-            version,
-            self.cfg.weight_sync,
+            "SGLang weights -> version %d (%s) on %d of %d servers in %.2f s",
+            version, mode, len(targets) - len(failures), len(targets),
             time.perf_counter() - t0,
+        )  # fmt: skip
+
+    async def _settle(
+        self, targets: Sequence[str], failures: dict[str, SGLangError], version: int
+    ) -> None:
+        now = time.monotonic()
+        for url in targets:
+            server = self.pool.servers[url]
+            server.last_resync = now
+            if url not in failures:
+                server.resync_failures = 0
+                self.pool.set(url, ServerState.HEALTHY, f"holds version {version}")
+                continue
+            error = failures[url]
+            server.resync_failures += 1
+            self.pool.counters["weight_update_failures"] += 1
+            reason = f"weight update to version {version} failed: {error}"
+            if isinstance(error, (SGLangConnectionError, SGLangTimeoutError)):
+                self.pool.failed(url, reason)
+            else:
+                self.pool.set(url, ServerState.STALE, reason)
+
+    async def _post_each(
+        self, path: str, bodies: dict[str, Any], timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """One request per server (no retries): its answer, or the exception it raised."""
+        answers = await asyncio.gather(
+            *(
+                self._client.post(u, path, b, retry=NO_RETRY, timeout_s=timeout_s)
+                for u, b in bodies.items()
+            ),
+            return_exceptions=True,
         )
+        return dict(zip(bodies, answers, strict=True))
+
+    @staticmethod
+    def _drop_failed(
+        path: str, answers: dict[str, Any], live: list[str], failures: dict[str, SGLangError]
+    ) -> None:
+        """Move servers whose answer is not a success from `live` to `failures`."""
+        for url, ans in answers.items():
+            if isinstance(ans, SGLangError):
+                failures[url] = ans
+            elif isinstance(ans, BaseException):
+                raise ans
+            elif not (isinstance(ans, dict) and ans.get("success") is True):
+                reason = ans.get("message") if isinstance(ans, dict) else ans
+                failures[url] = WeightUpdateError(f"{url}{path} failed: {reason}", url)
+            else:
+                continue
+            live.remove(url)
 
     async def _info(self, url: str) -> dict:
         if url not in self._server_info:
@@ -536,10 +763,16 @@ class SGLangEngine:
             self._server_info[url] = info
         return self._server_info[url]
 
-    async def _tp_sizes(self) -> dict[str, int]:
-        infos = await _gather_or_cancel([self._info(u) for u in self.urls])
+    async def _tp_sizes(self, live: list[str], failures: dict[str, SGLangError]) -> dict[str, int]:
+        infos = await asyncio.gather(*(self._info(u) for u in live), return_exceptions=True)
         sizes = {}
-        for url, info in zip(self.urls, infos, strict=True):
+        for url, info in zip(list(live), infos, strict=True):
+            if isinstance(info, SGLangError):
+                failures[url] = info
+                live.remove(url)
+                continue
+            if isinstance(info, BaseException):
+                raise info
             if int(info.get("dp_size", 1)) != 1:
                 raise ValueError(
                     f"{url} runs dp_size={info['dp_size']}; SGLang refuses "
@@ -554,14 +787,10 @@ class SGLangEngine:
             sizes[url] = int(info.get("tp_size", 1))
         return sizes
 
-    async def _session_call(self, path: str) -> None:
-        answers = await self._post_all(path, {}, retry=NO_RETRY)
-        self._check_success(path, answers)
-
-    async def _begin_session(self) -> None:
-        """/begin_weight_update on every server. A session that an earlier failed or killed
-        update left open is ended first (SGLang refuses a second begin): the full update that
-        follows replaces whatever it had loaded, and the engine serves nothing until then."""
+    async def _begin_session(self, live: list[str], failures: dict[str, SGLangError]) -> None:
+        """/begin_weight_update on every live server. A session that an earlier failed or
+        killed update left open is ended first (SGLang refuses a second begin): the full update
+        that follows replaces whatever it had loaded, and the server serves nothing until then."""
         path = "/begin_weight_update"
 
         def left_open(reason: str) -> bool:
@@ -578,53 +807,52 @@ class SGLangEngine:
                     raise
             logger.warning("%s: closing a weight-update session an earlier update left open", url)
             ended = await self._client.post(url, "/end_weight_update", {}, retry=NO_RETRY)
-            self._check_success("/end_weight_update", [ended], [url])
+            if not (isinstance(ended, dict) and ended.get("success") is True):
+                return ended
             return await self._client.post(url, path, {}, retry=NO_RETRY)
 
-        self._check_success(path, await _gather_or_cancel([begin(u) for u in self.urls]))
+        answers = await asyncio.gather(*(begin(u) for u in live), return_exceptions=True)
+        self._drop_failed(path, dict(zip(list(live), answers, strict=True)), live, failures)
 
-    def _check_success(
-        self, path: str, answers: Sequence[Any], urls: Sequence[str] | None = None
+    def _end_session(self, live: list[str], failures: dict[str, SGLangError]) -> None:
+        path = "/end_weight_update"
+        if live:
+            self._drop_failed(path, self._run(self._post_each(path, dict.fromkeys(live, {}))),
+                              live, failures)  # fmt: skip
+
+    def _update_tensor(
+        self, source: WeightSource, version: int, live: list[str], failures: dict
     ) -> None:
-        for url, ans in zip(self.urls if urls is None else urls, answers, strict=True):
-            if not (isinstance(ans, dict) and ans.get("success") is True):
-                reason = ans.get("message") if isinstance(ans, dict) else ans
-                raise WeightUpdateError(f"{url}{path} failed: {reason}", url)
-
-    def _update_tensor(self, source: WeightSource, version: int) -> None:
-        tp = self._run(self._tp_sizes())
+        tp = self._run(self._tp_sizes(live, failures))
         path = "/update_weights_from_tensor"
-        self._run(self._begin_session())
+        self._run(self._begin_session(live, failures))
         for bucket in source.buckets(self.cfg.bucket_bytes):
+            if not live:
+                continue  # the source's collectives still need this rank
             bodies, keep_alive = {}, []
-            for url in self.urls:
+            for url in live:
                 bodies[url], flat = ws.tensor_update_body(bucket, tp[url], str(version))
                 keep_alive.append(flat)  # payloads point at this memory until answered
-
-            async def send(bodies: dict = bodies) -> list[Any]:
-                return await _gather_or_cancel(
-                    [
-                        self._client.post(
-                            u, path, b, retry=NO_RETRY, timeout_s=self.cfg.weight_update_timeout_s
-                        )
-                        for u, b in bodies.items()
-                    ]
-                )
-
-            self._check_success(path, self._run(send()))
+            answers = self._run(
+                self._post_each(path, bodies, timeout_s=self.cfg.weight_update_timeout_s)
+            )
+            self._drop_failed(path, answers, live, failures)
             del keep_alive
-        self._run(self._session_call("/end_weight_update"))
+        self._end_session(live, failures)
 
-    def _init_group(self, tp: dict[str, int]) -> torch.distributed.ProcessGroup:
+    def _init_group(self, tp: dict[str, int], urls: list[str]) -> torch.distributed.ProcessGroup:
         cfg = self.cfg
         port = cfg.master_port or free_port()
-        world = 1 + sum(tp.values())
+        world = 1 + sum(tp[u] for u in urls)
+        if self._groups_dropped:
+            self._run(self._destroy_group(urls, missing_ok=True))  # the broken one, if any
+            self._group_name = f"{cfg.group_name}.{self._groups_dropped}"
         offsets, next_rank = {}, 1
-        for url in self.urls:
+        for url in urls:
             offsets[url] = next_rank
             next_rank += tp[url]
         # A group of this name left by an earlier trainer that died would make the init fail.
-        self._run(self._destroy_group(missing_ok=True))
+        self._run(self._destroy_group(urls, missing_ok=True))
         path = "/init_weights_update_group"
         futures = [
             self._loop.submit(
@@ -636,14 +864,14 @@ class SGLangEngine:
                         port,
                         offsets[url],
                         world,
-                        cfg.group_name,
+                        self._group_name,
                         cfg.group_backend,
                     ),
                     retry=NO_RETRY,
                     timeout_s=cfg.weight_update_timeout_s,
                 )
             )
-            for url in self.urls
+            for url in urls
         ]
         box: dict[str, Any] = {}
 
@@ -654,7 +882,7 @@ class SGLangEngine:
                     init_method=f"tcp://{cfg.master_address}:{port}",
                     world_size=world,
                     rank=0,
-                    group_name=cfg.group_name,
+                    group_name=self._group_name,
                     timeout=timedelta(seconds=cfg.weight_update_timeout_s),
                 )
             except Exception as e:  # noqa: BLE001 - reported below
@@ -662,15 +890,17 @@ class SGLangEngine:
 
         joiner = threading.Thread(target=join, name="weight-group-join", daemon=True)
         joiner.start()
-        self._await_servers(lambda: not joiner.is_alive(), futures, path)
+        self._await_servers(lambda: not joiner.is_alive(), futures, path, urls)
         if "error" in box:
             raise WeightUpdateError(
                 f"joining the weight-update group at {cfg.master_address}:{port} (world "
                 f"{world}) failed: {box['error']}"
             ) from box["error"]
-        self._check_success(path, [f.result() for f in futures])
+        for url, f in zip(urls, futures, strict=True):
+            if (reason := _failure_reason(f)) is not None:
+                raise WeightUpdateError(f"{url}{path} failed: {reason}", url)
         group = box["group"]
-        logger.info("weight-update group %s: world %d at port %d", cfg.group_name, world, port)
+        logger.info("weight-update group %s: world %d at port %d", self._group_name, world, port)
         return group
 
     def _await_servers(
@@ -678,12 +908,13 @@ class SGLangEngine:
         done: Callable[[], bool],
         futures: Sequence[concurrent.futures.Future],
         path: str,
+        urls: Sequence[str],
     ) -> None:
         """Wait for a local transfer (`done()`) while its HTTP requests run. A server that
         refuses never joins the transfer: fail at once with its reason instead of waiting for
         the process-group timeout."""
         while not done():
-            for url, f in zip(self.urls, futures, strict=True):
+            for url, f in zip(urls, futures, strict=True):
                 if f.done():
                     reason = _failure_reason(f)
                     if reason is not None:
@@ -692,33 +923,58 @@ class SGLangEngine:
                         raise WeightUpdateError(f"{url}{path} failed: {reason}", url)
             time.sleep(0.001)
 
-    async def _destroy_group(self, *, missing_ok: bool) -> None:
-        """POST /destroy_weights_update_group on every server (sglang answers 400 "does not
-        exist" when there is none; ignored with `missing_ok`)."""
-        body = {"group_name": self.cfg.group_name}
+    async def _destroy_group(self, urls: Sequence[str], *, missing_ok: bool) -> None:
+        """POST /destroy_weights_update_group on `urls` (sglang answers 400 "does not exist"
+        when there is none; ignored with `missing_ok`)."""
+        body = {"group_name": self._group_name}
         answers = await asyncio.gather(
             *(
                 self._client.post(u, "/destroy_weights_update_group", body, retry=NO_RETRY,
                                   timeout_s=60.0)
-                for u in self.urls
+                for u in urls
             ),
             return_exceptions=True,
         )  # fmt: skip
-        for url, ans in zip(self.urls, answers, strict=True):
+        for url, ans in zip(urls, answers, strict=True):
             if isinstance(ans, BaseException):
                 gone = isinstance(ans, SGLangHTTPError) and "does not exist" in ans.reason
                 if not (missing_ok and gone):
                     logger.warning("destroying the weight-update group on %s: %s", url, ans)
 
-    def _update_distributed(self, source: WeightSource, version: int) -> None:
-        tp = self._run(self._tp_sizes())
-        if self._group is None:
-            self._group = self._init_group(tp)
+    def _update_distributed(
+        self, source: WeightSource, version: int, live: list[str], failures: dict
+    ) -> None:
+        """One broadcast group with the trainer's sender and every live server. The servers of
+        a broadcast move together: any failure leaves them all out of step (fenced), and the
+        group is rebuilt for the next update."""
+        tp = self._run(self._tp_sizes(live, failures))
         path = "/update_weights_from_distributed"
-        self._run(self._begin_session())
+
+        def fail_all(error: SGLangError) -> None:
+            if self._group is not None:
+                self._drop_group()
+            for url in live:
+                failures[url] = (
+                    error
+                    if error.url == url
+                    else WeightUpdateError(f"left out of step by a failed broadcast: {error}", url)
+                )
+            live.clear()
+
+        try:
+            if live and (self._group is None or self._group_urls != live):
+                self._group = self._init_group(tp, live)
+                self._group_urls = list(live)
+            self._run(self._begin_session(live, failures))
+            if failures and self._group_urls != live:
+                raise WeightUpdateError(f"{', '.join(failures)} left the weight-update group")
+        except SGLangError as e:
+            fail_all(e)
         for bucket in source.buckets(self.cfg.bucket_bytes):
+            if not live:
+                continue  # the source's collectives still need this rank
             aligned = ws.order_for_alignment(bucket)
-            body = ws.distributed_update_body(aligned, self.cfg.group_name, str(version))
+            body = ws.distributed_update_body(aligned, self._group_name, str(version))
             flat, _ = ws.flatten_bucket(aligned)
             futures = [
                 self._loop.submit(
@@ -726,32 +982,41 @@ class SGLangEngine:
                         u, path, body, retry=NO_RETRY, timeout_s=self.cfg.weight_update_timeout_s
                     )
                 )
-                for u in self.urls
+                for u in live
             ]
+            assert self._group is not None
             work = torch.distributed.broadcast(flat, src=0, group=self._group, async_op=True)
             try:
-                self._await_servers(work.is_completed, futures, path)
-            except WeightUpdateError:
-                self._group = None  # out of step with the servers now
-                raise
-            work.wait()
-            self._check_success(path, [f.result() for f in futures])
-        self._run(self._session_call("/end_weight_update"))
+                self._await_servers(work.is_completed, futures, path, live)
+                work.wait()
+                for url, f in zip(live, futures, strict=True):
+                    if (reason := _failure_reason(f)) is not None:
+                        raise WeightUpdateError(f"{url}{path} failed: {reason}", url)
+            except SGLangError as e:
+                fail_all(e)
+        self._end_session(live, failures)
 
-    def _update_disk(self, source: WeightSource, version: int) -> None:
+    def _update_disk(
+        self, source: WeightSource, version: int, live: list[str], failures: dict
+    ) -> None:
+        """The weights written once per version (a re-sync of a stale server at the same version
+        reads the same directory), then /update_weights_from_disk on every live server."""
         assert self._disk is not None
-        path = self._disk.write(source.buckets(self.cfg.bucket_bytes), version)
+        if self._disk_latest is not None and self._disk_latest[0] == version:
+            for _ in source.buckets(self.cfg.bucket_bytes):
+                pass  # the source's collectives still need this rank
+            path = self._disk_latest[1]
+        else:
+            path = self._disk.write(source.buckets(self.cfg.bucket_bytes), version)
+            self._disk_latest = (version, path)
         body = {"model_path": str(path), "weight_version": str(version), "flush_cache": True}
+        route = "/update_weights_from_disk"
         answers = self._run(
-            self._post_all(
-                "/update_weights_from_disk",
-                body,
-                retry=NO_RETRY,
-                timeout_s=self.cfg.weight_update_timeout_s,
-            )
+            self._post_each(route, dict.fromkeys(live, body), self.cfg.weight_update_timeout_s)
         )
-        self._check_success("/update_weights_from_disk", answers)
-        self._disk.committed(path)
+        self._drop_failed(route, answers, live, failures)
+        if live:
+            self._disk.committed(path)
 
     # ---- shutdown ----------------------------------------------------------------------------
 
@@ -760,8 +1025,9 @@ class SGLangEngine:
         launched servers."""
         if not self._loop.loop.is_closed():
             try:
-                if self._group is not None and self.urls:
-                    self._loop.run(self._destroy_group(missing_ok=False))
+                self._loop.run(self.pool.close())  # no health checks or restarts from here
+                if self._group is not None and self._group_urls:
+                    self._loop.run(self._destroy_group(self._group_urls, missing_ok=False))
                 try:
                     self._loop.run(self._restore_memory_state())
                 except SGLangError as e:  # the server may be gone: say so, close the rest

@@ -178,7 +178,8 @@ class SGLangServerProcess:
             self._log.close()
             raise SGLangError(f"cannot start `{_redact(self.command)}`: {e}", self.url) from e
 
-    def _exit_reason(self) -> str | None:
+    def exit_reason(self) -> str | None:
+        """None while the process runs (or before it started), else why it stopped."""
         if self._proc is None or self._proc.poll() is None:
             return None
         return f"exit code {self._proc.returncode}; {self._context()}"
@@ -199,7 +200,7 @@ class SGLangServerProcess:
                 timeout_s=timeout_s,
                 api_key=self.cfg.api_key,
                 poll_s=poll_s,
-                alive=self._exit_reason,
+                alive=self.exit_reason,
                 what=f"; {self._context()}",
             )
         except SGLangError:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from gspo_megatron.rollout.engine import FinishReason, SamplingParams
+from gspo_megatron.rollout.engine import FinishReason, SamplingParams, WeightsNotLoadedError
 
 _SEED_MOD = 2**63
 
@@ -67,9 +67,9 @@ class SGLangProtocolError(SGLangError):
     missing field, log-prob ids that differ from the output ids, a wrong routed-experts size)."""
 
 
-class WeightUpdateError(SGLangError):
-    """A weight update failed; the message carries the server's reason. The run must stop: the
-    server may hold partially updated weights (SGLang says so itself)."""
+class WeightUpdateError(SGLangError, WeightsNotLoadedError):
+    """A weight update failed; the message carries the server's reason. The server may hold
+    partially updated weights (SGLang says so itself): it is fenced until a full update."""
 
 
 @dataclass

@@ -1,0 +1,129 @@
+"""Rollout calls on every trainer rank.
+
+An engine that generates collectively (the embedded engine: every rank holds a piece of the
+model) is called on every rank. A server engine (SGLang) generates on rank 0 alone, which shares
+the samples, so every rank trains on the same samples and one rank decides about server faults.
+While it waits, rank 0 tells the others, every `resync_poll_s`, whether stale servers (restarted,
+or fenced by a failed update) are due for the weights: a weight update needs the weight source's
+collectives on every rank. See docs/SGLANG.md, "Failures".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from gspo_megatron.ranks import Ranks
+from gspo_megatron.rollout.engine import (
+    RolloutEngine,
+    RolloutSample,
+    RolloutUnavailableError,
+    SamplingParams,
+    WeightsNotLoadedError,
+    WeightSource,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutFailedOnRankZero(RuntimeError):
+    """Rank 0's rollout call failed; the other ranks stop with its message."""
+
+
+class RolloutDriver:
+    def __init__(self, engine: RolloutEngine, ranks: Ranks, source: WeightSource | None) -> None:
+        self.engine = engine
+        self.ranks = ranks
+        self.source = source
+        self.version = 0
+        self._collective = engine.generates_on_every_rank
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> list[list[RolloutSample]]:
+        if self._collective:
+            return self.engine.generate(prompts, n, params)
+        job: concurrent.futures.Future | None = None
+        self._error: BaseException | None = None
+        # Stale servers that answer get the weights first, so they take part from the start.
+        due = self.ranks.broadcast(
+            self.engine.servers_to_resync() if self.ranks.rank == 0 else None
+        )
+        error = self._resync(due) if due else None
+        if self.ranks.rank == 0 and error is None:
+            try:
+                job = self.engine.start_generate(prompts, n, params)
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks below
+                error = e
+        while True:
+            event = self._next_event(job, error) if self.ranks.rank == 0 else None
+            kind, payload = self.ranks.broadcast(event)
+            if kind == "done":
+                return payload
+            if kind == "failed":
+                self._raise(*payload)
+            if kind == "resync":
+                error = self._resync(payload)
+
+    def _next_event(
+        self, job: concurrent.futures.Future | None, error: BaseException | None
+    ) -> tuple[str, Any]:
+        if error is None and job is not None:
+            try:
+                return "done", job.result(timeout=self.engine.resync_poll_s)
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks
+                error = e
+        if error is not None:
+            if job is not None and not job.done():
+                job.cancel()
+            self._error = error
+            return "failed", (isinstance(error, RolloutUnavailableError), str(error))
+        due = self.engine.servers_to_resync()
+        return ("resync", due) if due else ("wait", None)
+
+    def _raise(self, unavailable: bool, message: str):
+        if self._error is not None:  # rank 0: the error itself, with its traceback
+            raise self._error
+        if unavailable:
+            raise RolloutUnavailableError(message)
+        raise RolloutFailedOnRankZero(f"rank 0's rollout failed: {message}")
+
+    def _resync(self, urls: list[str]) -> BaseException | None:
+        """A full weight update of `urls` on every rank, while rank 0's generation goes on."""
+        try:
+            self.engine.update_weights(self.source, self.version, urls=urls)
+        except WeightsNotLoadedError as e:
+            logger.warning("re-sync of %s failed (retried later): %s", ", ".join(urls), e)
+        except Exception as e:  # noqa: BLE001 - rank 0 reports it at its next event
+            return e
+        return None
+
+    def update_weights(self, version: int) -> None:
+        """The policy's weights to the engine as `version`, on every rank. Servers that fail are
+        fenced and re-synced before they generate; anything else stops every rank."""
+        self.version = version
+        if self._collective:
+            self.engine.update_weights(self.source, version)
+            return
+        message = None
+        try:
+            self.engine.update_weights(self.source, version)
+        except WeightsNotLoadedError as e:
+            logger.warning("%s (re-synced before they generate)", e)
+        except Exception as e:
+            message = str(e)
+            if self.ranks.rank == 0:
+                self.ranks.broadcast(message)
+            raise
+        message = self.ranks.broadcast(message)
+        if message is not None:
+            raise RolloutFailedOnRankZero(f"rank 0's weight update failed: {message}")
+
+    def fault_metrics(self) -> dict[str, float]:
+        if self._collective:
+            return {}
+        return self.engine.fault_metrics()
