@@ -65,7 +65,7 @@ class Trainer:
     with megatron engines and real processes (components.build_trainer) or with fakes:
 
     engine / reference: `train_step`, `forward`, `layout.dp`, `model_config.is_moe`,
-        `current_lr()`, and `offload` / `reload` with trainer.offload_during_rollout
+        `current_lr()`, `close()`, and `offload` / `reload` with trainer.offload_during_rollout
         (gspo_megatron.megatron.engine.TrainingEngine).
     rollout, weight_source: a RolloutEngine and what it syncs weights from, called through a
         RolloutDriver (rank 0 alone generates with server engines, and shares the samples).
@@ -128,14 +128,20 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
-        self._install_signal_handlers()
-        self.resume()
-        self.watchdog.start()
+        previous = self._install_signal_handlers()
         try:
-            last = self._loop()
-            self.save()
+            self.resume()
+            self.watchdog.start()
+            try:
+                last = self._loop()
+                self.save()
+            finally:
+                self.watchdog.stop()
         finally:
-            self.watchdog.stop()
+            # The handlers hold this trainer (and so the model and its process groups): a
+            # process that runs several trainings one after another must not keep them all.
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         self.log.summary(last)
         return last
 
@@ -512,13 +518,15 @@ class Trainer:
         note(f"resumed at step {self.step}")
         self.rollouts.update_weights(self.step)
 
-    def _install_signal_handlers(self) -> None:
+    def _install_signal_handlers(self) -> dict[int, object]:
+        """SIGTERM and SIGINT ask for a checkpoint and a stop after this step; returns the
+        handlers they replace."""
+
         def request_stop(signum, frame):
             self.stop_requested = True
             note(f"signal {signal.Signals(signum).name}: checkpointing after this step")
 
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+        return {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _agree_on_save_and_stop(self) -> tuple[bool, bool]:
         """(save now, stop now), the same on every rank: one all-reduce of each rank's view.
@@ -541,6 +549,9 @@ class Trainer:
         self.log.close()
         self.scorer.close()
         self.rollout.close()
+        for engine in (self.engine, self.reference):
+            if engine is not None:
+                engine.close()
 
 
 # -- helpers ------------------------------------------------------------------------------------

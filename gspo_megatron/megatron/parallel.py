@@ -70,5 +70,11 @@ def seed_everything(seed: int) -> None:
 def destroy() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # destroy_model_parallel (megatron-core 0.19.2) leaves some groups in its module globals
+    # (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP and its gloo twin): they would keep their
+    # process groups, and their threads, alive after destroy_process_group.
+    for name, value in vars(parallel_state).items():
+        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()

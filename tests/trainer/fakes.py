@@ -176,7 +176,7 @@ class WeightUpdate:
 @dataclass
 class Journal:
     """Every engine call, in order: ("generate" | "forward" | "train" | "update_weights" |
-    "offload" | "reload", call)."""
+    "offload" | "reload" | "close", call)."""
 
     events: list[tuple[str, Any]] = field(default_factory=list)
 
@@ -440,6 +440,9 @@ class FakePolicy:
 
     def current_lr(self) -> float:
         return self.lr
+
+    def close(self) -> None:
+        self.journal.add("close", self.name)
 
     def frozen_copy(self, name: str = "reference") -> FakePolicy:
         """A frozen engine holding this policy's current weights (the KL reference)."""

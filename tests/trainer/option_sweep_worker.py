@@ -110,6 +110,10 @@ def main() -> None:
     for i, (name, overrides) in enumerate(combos):
         if i % parts == part:
             result = run_one(overrides, args.out / f"run{i:03d}")
+            gc.collect()
+            # Native threads of the process (gloo's among them): a run must not leave its
+            # process groups behind (TrainingEngine.close, parallel.destroy).
+            result["threads"] = len(os.listdir("/proc/self/task"))
             print(json.dumps({"sweep": name, **result}), flush=True)
 
 
