@@ -129,9 +129,21 @@ class RolloutSection:
     per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens. Evaluation:
     eval_temperature (0 = greedy) and eval_samples (k of avg@k / pass@k). sglang: keyword
     arguments of gspo_megatron.rollout.sglang.SGLangEngineConfig.
+    mode: sync (generate, then train) | one_step_off (batch k+1 generates while batch k trains,
+    with the weights from before step k) | async (queue_batches batches generate ahead, taking
+    new weights between any two tokens: partial rollouts). One_step_off and async run the
+    embedded engine in a generator process of its own (gspo_megatron/rollout/generator.py).
+    max_staleness: no trained token was sampled by weights more than this many versions older
+    than the ones that train on it (batches start only within the bound). queue_batches: how
+    many batches async mode keeps submitted ahead. partial_rollout_mask: (async) leave out of
+    the loss the tokens a response sampled before its last weight swap.
     """
 
     engine: str = choice("embedded", "sglang")
+    mode: str = choice("sync", "one_step_off", "async")
+    max_staleness: int = bounded(1, ge=0)
+    queue_batches: int = bounded(2, ge=1)
+    partial_rollout_mask: bool = False
     prompts_per_step: int = bounded(8, ge=1)
     group_size: int = bounded(16, ge=2)
     temperature: float = bounded(1.0, ge=0)
@@ -402,12 +414,51 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         )
     _check_mismatch(alg)
     _check_moe_aux_loss(alg, model)
+    _check_rollout_mode(cfg)
     _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
         alg.overlong_penalty_length
     ):
         raise ConfigError(
             "algorithm.overlong_penalty_cache must be in (0, algorithm.overlong_penalty_length]"
+        )
+
+
+def _check_rollout_mode(cfg: RunConfig) -> None:
+    rollout, mode = cfg.rollout, cfg.rollout.mode
+    if mode == "sync":
+        if rollout.partial_rollout_mask:
+            raise ConfigError(
+                "rollout.partial_rollout_mask needs rollout.mode=async (only async mode swaps "
+                "weights within a response)"
+            )
+        return
+    if mode == "one_step_off" and rollout.partial_rollout_mask:
+        raise ConfigError(
+            "rollout.partial_rollout_mask needs rollout.mode=async (one_step_off takes new "
+            "weights only between batches)"
+        )
+    if rollout.max_staleness < 1:
+        raise ConfigError(
+            f"rollout.mode={mode} needs rollout.max_staleness >= 1: a batch that generates while "
+            "the previous one trains is sampled by weights one version old"
+        )
+    if rollout.engine != "embedded":
+        raise ConfigError(
+            f"rollout.mode={mode} runs with rollout.engine=embedded (its generator process); "
+            "SGLang servers generate synchronously for now"
+        )
+    if cfg.trainer.offload_during_rollout != "none":
+        raise ConfigError(
+            f"trainer.offload_during_rollout={cfg.trainer.offload_during_rollout} with "
+            f"rollout.mode={mode}: generation overlaps training, so the training state cannot "
+            "leave while it runs"
+        )
+    if cfg.algorithm.dynamic_sampling == "dapo":
+        raise ConfigError(
+            f"algorithm.dynamic_sampling=dapo with rollout.mode={mode}: its refill rounds need "
+            "the step's rewards first (a synchronous round trip each) and would draw prompts "
+            "out of order with the batches generated ahead; use dupo or none"
         )
 
 

@@ -38,6 +38,7 @@ from gspo_megatron.rollout.engine import (
     SamplingParams,
     WeightSource,
 )
+from gspo_megatron.rollout.pipeline import RolloutPipeline
 from gspo_megatron.run_files import note
 from gspo_megatron.run_health import RunHealth
 from gspo_megatron.spec.loss import LossSettings
@@ -113,6 +114,17 @@ class Trainer:
             seed=cfg.seed + cfg.data.seed,
             shuffle=cfg.data.shuffle,
         )
+        self.pipeline = None
+        if cfg.rollout.mode != "sync":
+            self.pipeline = RolloutPipeline(
+                self.rollouts,
+                self.sampler,
+                ranks,
+                depth=cfg.rollout.queue_batches if cfg.rollout.mode == "async" else 1,
+                max_staleness=cfg.rollout.max_staleness,
+                group_size=cfg.rollout.group_size,
+                params_for=lambda step: self._sampling_params(step, 0),
+            )
         self.loss = LossSettings(
             cfg.algorithm.loss,
             cfg.algorithm.loss_hparams(cfg.rollout.max_new_tokens),
@@ -124,24 +136,21 @@ class Trainer:
         self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         self.health = RunHealth(cfg)
         self._last_save = time.monotonic()
+        self._replaced_handlers: dict[int, object] = {}
 
     # -- the loop ---------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
-        previous = self._install_signal_handlers()
+        # Put back by close(), not here: a run that fails must still be holding SIGTERM while it
+        # prints its error, since torchrun signals the other ranks as soon as one rank exits.
+        self._replaced_handlers = self._install_signal_handlers()
+        self.resume()
+        self.watchdog.start()
         try:
-            self.resume()
-            self.watchdog.start()
-            try:
-                last = self._loop()
-                self.save()
-            finally:
-                self.watchdog.stop()
+            last = self._loop()
+            self.save()
         finally:
-            # The handlers hold this trainer (and so the model and its process groups): a
-            # process that runs several trainings one after another must not keep them all.
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            self.watchdog.stop()
         self.log.summary(last)
         return last
 
@@ -156,14 +165,18 @@ class Trainer:
             if offloading:
                 with _timed(timings, "offload"):
                     moved.update(self.offload_for_rollout())
-            sampler_at_start = self.sampler.state_dict()
+            sampler_at_start = self._sampler_state()
             try:
                 with _timed(timings, "generate"):
                     batch = self.generate()
             except RolloutUnavailableError:
-                # The step never happened: checkpoint the state before it, then stop.
+                # The step never happened: checkpoint the state before it (none is needed
+                # before the first step: a new start is the same run), then stop.
+                if self.pipeline is not None:
+                    self.pipeline.abandon()
                 self.sampler.load_state_dict(sampler_at_start)
-                self.save()
+                if self.step > 0:
+                    self.save()
                 raise
             if offloading:
                 with _timed(timings, "reload"):
@@ -229,9 +242,13 @@ class Trainer:
         """Rollouts for one step, with rewards and advantages; dynamic sampling fills the batch."""
         alg = self.cfg.algorithm
         wanted = self.cfg.rollout.prompts_per_step
-        batch = self._generate_for(self.sampler.next_batch(), step_seed=0)
-        generated = [batch]
         stats: dict[str, float] = {}
+        if self.pipeline is None:
+            batch = self._generate_for(self.sampler.next_batch(), step_seed=0)
+        else:
+            prompts, groups, stats = self.pipeline.take(self.step)
+            batch = self._admit(prompts, groups, stats)
+        generated = [batch]
         if alg.prefilter_solved_prompts:
             keep = prefilter_solved_prompts(batch.rewards)
             stats["sampling/solved_groups_dropped"] = float((~keep).sum())
@@ -258,19 +275,55 @@ class Trainer:
         batch.stats.update(stats)
         return batch
 
-    def _generate_for(self, prompts: list[Prompt], step_seed: int) -> RolloutBatch:
+    def _sampling_params(self, step: int, step_seed: int) -> SamplingParams:
+        """Sampling for the batch that trains step `step` + 1 (round `step_seed` of it)."""
         r = self.cfg.rollout
-        params = SamplingParams(
+        return SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
             stop_token_ids=self.stop_token_ids,
-            seed=_derive_seed(self.cfg.seed, self.step, step_seed),
+            seed=_derive_seed(self.cfg.seed, step, step_seed),
         )
-        groups = self.rollouts.generate([p.prompt_ids for p in prompts], r.group_size, params)
+
+    def _generate_for(self, prompts: list[Prompt], step_seed: int) -> RolloutBatch:
+        params = self._sampling_params(self.step, step_seed)
+        groups = self.rollouts.generate(
+            [p.prompt_ids for p in prompts], self.cfg.rollout.group_size, params
+        )
         batch = RolloutBatch(prompts=list(prompts), groups=groups)
         batch.rewards = self.score(batch)
+        return batch
+
+    def _admit(
+        self, prompts: list[Prompt], groups: list[list[RolloutSample]], stats: dict[str, float]
+    ) -> RolloutBatch:
+        """A batch generated ahead, checked against the staleness bound and scored.
+
+        A group holding a token sampled more than rollout.max_staleness versions before the
+        weights that train on it (`self.step`) is dropped and counted; the pipeline starts no
+        batch that could produce one, so a drop means an engine broke the bound.
+        """
+        bound = self.cfg.rollout.max_staleness
+        lags = [[self.step - v for s in group for v in s.versions()] or [0] for group in groups]
+        kept = [i for i, lag in enumerate(lags) if max(lag) <= bound]
+        dropped = sum(len(g) for g in groups) - sum(len(groups[i]) for i in kept)
+        if dropped:
+            note(
+                f"step {self.step + 1}: {dropped} samples older than "
+                f"rollout.max_staleness={bound} dropped"
+            )
+        tokens = [x for i in kept for x in lags[i]]
+        stats["async/dropped_samples"] = float(dropped)
+        stats["async/staleness_mean"] = float(np.mean(tokens)) if tokens else 0.0
+        stats["async/staleness_max"] = float(max(tokens, default=0))
+        stats["async/partial_responses"] = float(
+            sum(len(set(s.versions())) > 1 for i in kept for s in groups[i])
+        )
+        batch = RolloutBatch(prompts=[prompts[i] for i in kept], groups=[groups[i] for i in kept])
+        batch.rewards = self.score(batch)
+        batch.stats.update(stats)
         return batch
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
@@ -328,6 +381,11 @@ class Trainer:
                 row[:n].float().tolist() if cut else None
                 for row, cut, n in zip(kept, truncated.tolist(), lengths, strict=True)
             ]
+        if self.cfg.rollout.partial_rollout_mask:
+            masks = [_mask_before_last_swap(s, m) for s, m in zip(flat, masks, strict=True)]
+            batch.stats["async/masked_tokens"] = float(
+                sum(v < max(s.versions()) for s in flat for v in s.versions())
+            )
         # A response with no token (an aborted request) has no term in any loss: it is scored
         # and counted, and left out of training.
         samples = [
@@ -467,7 +525,11 @@ class Trainer:
             stop_token_ids=self.stop_token_ids,
             seed=_derive_seed(self.cfg.seed, -1, 0),
         )
-        groups = self.rollouts.generate([p.prompt_ids for p in prompts], r.eval_samples, params)
+        # Generated ahead of queued training batches, with the current weights.
+        options = {} if self.pipeline is None else {"min_version": self.step, "urgent": True}
+        groups = self.rollouts.generate(
+            [p.prompt_ids for p in prompts], r.eval_samples, params, **options
+        )
         batch = RolloutBatch(prompts=prompts, groups=groups)
         rewards = self.score(batch)
         solved = rewards >= 1.0
@@ -498,8 +560,14 @@ class Trainer:
 
     # -- checkpoints and signals ---------------------------------------------------------------
 
+    def _sampler_state(self) -> dict:
+        """The sampler as a checkpoint records it: before any batch generated ahead."""
+        if self.pipeline is not None:
+            return self.pipeline.sampler_state()
+        return self.sampler.state_dict()
+
     def save(self) -> None:
-        state = {"step": self.step, "sampler": self.sampler.state_dict()}
+        state = {"step": self.step, "sampler": self._sampler_state()}
         self.files.save(self.engine, self.step, state)
         self._last_save = time.monotonic()
 
@@ -546,6 +614,11 @@ class Trainer:
         return save and not stop, stop
 
     def close(self) -> None:
+        # The handlers hold this trainer (and so the model and its process groups): a process
+        # that runs several trainings one after another must not keep them all.
+        for signum, handler in self._replaced_handlers.items():
+            signal.signal(signum, handler)
+        self._replaced_handlers = {}
         self.log.close()
         self.scorer.close()
         self.rollout.close()
@@ -566,6 +639,16 @@ class _timed:
 
     def __exit__(self, *exc):
         self.sink[self.key] = self.sink.get(self.key, 0.0) + time.perf_counter() - self.start
+
+
+def _mask_before_last_swap(sample: RolloutSample, mask: list[float] | None) -> list[float] | None:
+    """`mask` with the tokens sampled before the response's last weight swap set to 0."""
+    versions = sample.versions()
+    if len(set(versions)) < 2:
+        return mask
+    last = max(versions)
+    mask = mask or [1.0] * len(versions)
+    return [m if v == last else 0.0 for m, v in zip(mask, versions, strict=True)]
 
 
 def _derive_seed(seed: int, step: int, salt: int) -> int:

@@ -1,8 +1,10 @@
 """Rollout calls on every trainer rank.
 
 An engine that generates collectively (the embedded engine: every rank holds a piece of the
-model) is called on every rank. A server engine (SGLang) generates on rank 0 alone, which shares
-the samples, so every rank trains on the same samples and one rank decides about server faults.
+model) is called on every rank. An engine that generates outside the trainer (SGLang servers,
+the generator process of rollout.mode one_step_off / async) is driven by rank 0 alone, which
+shares the samples, so every rank trains on the same samples and one rank decides about faults.
+`submit` and `collect` split a call, so that a batch generates while the trainer trains.
 While it waits, rank 0 tells the others, every `resync_poll_s`, whether stale servers (restarted,
 or fenced by a failed update) are due for the weights: a weight update needs the weight source's
 collectives on every rank. See docs/SGLANG.md, "Failures".
@@ -13,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gspo_megatron.ranks import Ranks
@@ -32,6 +35,14 @@ class RolloutFailedOnRankZero(RuntimeError):
     """Rank 0's rollout call failed; the other ranks stop with its message."""
 
 
+@dataclass(frozen=True)
+class Submitted:
+    """A generate call started on rank 0 (`job`, None elsewhere), or the error that stopped it."""
+
+    job: concurrent.futures.Future | None
+    error: BaseException | None = None
+
+
 class RolloutDriver:
     def __init__(self, engine: RolloutEngine, ranks: Ranks, source: WeightSource | None) -> None:
         self.engine = engine
@@ -41,22 +52,36 @@ class RolloutDriver:
         self._collective = engine.generates_on_every_rank
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, **options
     ) -> list[list[RolloutSample]]:
+        """`n` samples per prompt on every rank; `options` go to a server engine's
+        `start_generate`."""
         if self._collective:
             return self.engine.generate(prompts, n, params)
-        job: concurrent.futures.Future | None = None
-        self._error: BaseException | None = None
+        return self.collect(self.submit(prompts, n, params, **options))
+
+    def submit(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, **options
+    ) -> Submitted:
+        """Start a generate call of a server engine on rank 0 (every rank calls this);
+        `collect` waits for it."""
         # Stale servers that answer get the weights first, so they take part from the start.
         due = self.ranks.broadcast(
             self.engine.servers_to_resync() if self.ranks.rank == 0 else None
         )
         error = self._resync(due) if due else None
+        job = None
         if self.ranks.rank == 0 and error is None:
             try:
-                job = self.engine.start_generate(prompts, n, params)
-            except Exception as e:  # noqa: BLE001 - shared with the other ranks below
+                job = self.engine.start_generate(prompts, n, params, **options)
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks by collect
                 error = e
+        return Submitted(job, error)
+
+    def collect(self, submitted: Submitted) -> list[list[RolloutSample]]:
+        """The samples of a submitted call, on every rank."""
+        job, error = submitted.job, submitted.error
+        self._error: BaseException | None = None
         while True:
             event = self._next_event(job, error) if self.ranks.rank == 0 else None
             kind, payload = self.ranks.broadcast(event)

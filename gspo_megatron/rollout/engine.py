@@ -66,6 +66,15 @@ class RolloutSample:
     finish_reason: FinishReason
     weight_version: int = 0
     routed_experts: np.ndarray | None = field(default=None, repr=False)
+    # The weight version that sampled each response token, when it can differ between tokens (a
+    # partial rollout spans a weight update); None: every token's is `weight_version`.
+    token_versions: list[int] | None = None
+
+    def versions(self) -> list[int]:
+        """The weight version of each response token."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return [self.weight_version] * len(self.response_ids)
 
 
 @runtime_checkable

@@ -84,6 +84,15 @@ class MegatronWeightSource:
     def is_sender(self) -> bool:
         return dist.get_rank() == self.sender
 
+    def hf_shapes(self) -> dict[str, Shape]:
+        """Every tensor `buckets` yields, by HF name, with its exported shape."""
+        vocab = self.mapping.config.vocab_size
+        return {
+            name: shape
+            for entry in self.mapping.entries
+            for name, shape in zip(entry.hf_names, _export_hf_shapes(entry, vocab), strict=True)
+        }
+
     # -- plan ---------------------------------------------------------------------------------
 
     def _local(self) -> list[tuple[_Piece, torch.Tensor]]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from gspo_megatron.megatron import cpu_compat
 
@@ -33,7 +33,9 @@ TOL = 1e-5
 
 
 def emit(check: str, value=None, tol=None, error: str | None = None) -> None:
-    if dist.is_initialized() and dist.get_rank() != 0:
+    # RANK, not the process group: logprobs_cli.main destroys the group it made, and two ranks
+    # printing at once interleave their lines.
+    if os.environ.get("RANK", "0") != "0":
         return
     if error is not None:
         print(json.dumps({"check": check, "error": error, "ok": False}), flush=True)

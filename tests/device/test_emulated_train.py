@@ -59,12 +59,14 @@ def test_gspo_train_save_resume(tmp_path):
 
 @pytest.mark.distributed
 def test_gspo_train_ep2_from_hugging_face_routing_replay(tmp_path):
-    """Two ranks with expert parallelism, initial weights from a Hugging Face directory, and R3
-    replay of the rollout's routes."""
+    """Two ranks with expert parallelism, initial weights from a Hugging Face directory, R3
+    replay of the rollout's routes, and asynchronous rollouts (the generator process takes the
+    weights from the devices, the samples and routes go back to them)."""
     init = hf_policy(tmp_path / "hf")
     run = tmp_path / "run"
     emulated_train(
         run, "parallel=ep2", f"model.init_from={init}", "algorithm.routing_replay=r3",
-        "trainer.steps=2", nproc=2,
+        "rollout.mode=async", "trainer.steps=3", "trainer.eval_every=3", nproc=2,
     )  # fmt: skip
-    assert len(read_metrics(run)) == 2
+    records = read_metrics(run)
+    assert len(records) == 3 and records[-1]["async/staleness_max"] == 1

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, checkpoint_tensors, gspo_train, gspo_train_env, read_metrics
+from launch import (
+    REPO,
+    checkpoint_tensors,
+    gspo_train,
+    gspo_train_command,
+    gspo_train_env,
+    read_metrics,
+)
 
 from gspo_megatron.checkpoint import manifest
 
@@ -60,7 +67,12 @@ def test_kill_9_at_five_points_then_resume_is_bitwise_exact(tmp_path):
     ends with the same records and weights as an uninterrupted run."""
     common = ["trainer.steps=6", "trainer.save_every=2", "seed=5"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    train(straight, *common)
+    # The uninterrupted run goes on beside the killed ones (one thread each, two cores).
+    log = (tmp_path / "straight.log").open("w")
+    reference = subprocess.Popen(
+        gspo_train_command(straight, [*TINY, *common]), env=gspo_train_env(), cwd=REPO,
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
     faults = [
         "kill_after_optimizer_step=10",  # in step 3, after step 2's checkpoint
         "kill_mid_metrics=2",  # resumed at 2: half of step 4's record written
@@ -74,6 +86,9 @@ def test_kill_9_at_five_points_then_resume_is_bitwise_exact(tmp_path):
             assert list((killed / "checkpoints").glob("*.tmp-*")), "no partial save was left"
             assert not step_dir(killed, 4).exists()
     train(killed, *common)
+    reference.wait(timeout=600)
+    log.close()
+    assert reference.returncode == 0, (tmp_path / "straight.log").read_text()[-3000:]
     assert [r["step"] for r in read_metrics(killed)] == [1, 2, 3, 4, 5, 6]
     assert stable(read_metrics(killed)) == stable(read_metrics(straight))
     assert_same_weights(step_dir(straight, 6), step_dir(killed, 6))

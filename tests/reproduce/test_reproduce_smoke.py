@@ -107,7 +107,7 @@ def _run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
 def test_every_reproduction_command_runs(tmp_path, capsys):
     out = tmp_path / "runs"
     common = ["--smoke", "--steps", "2", "--seeds", "0", "--out", str(out)]
-    first = _run(["all", *common])
+    first = _run(["all", "--jobs", "2", *common])  # one-thread runs: two at once on two cores
     assert "5 run(s) to train" in first.stdout
     run = _module("run")
     for name in ("efficiency", "clipping", "routing_replay"):

@@ -17,6 +17,7 @@ scorer (inline executor) and the sampler.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -606,6 +607,64 @@ class FakeRollout:
         self.closed = True
 
 
+class FakeGeneratorProcess(FakeRollout):
+    """The generator process's interface (rollout.mode one_step_off / async) over FakeRollout.
+
+    Jobs run in order, each as soon as the weights published reach its `min_version` (at
+    submission, or at the weight update that brings them): the process's order and staleness
+    gate. `swap_after`: each response's tokens after that many are tagged with the next
+    version (a partial rollout, to test the mask); `extra_lag`: prompt index -> versions
+    subtracted from that group's tokens (an engine that breaks the staleness bound).
+    """
+
+    generates_on_every_rank = False
+    resync_poll_s = 0.01
+
+    def __init__(self, policy: FakePolicy, **kwargs) -> None:
+        super().__init__(policy, **kwargs)
+        self.jobs: list[dict] = []
+        self.waiting: list[tuple[dict, concurrent.futures.Future]] = []
+        self.swap_after: int | None = None
+        self.extra_lag: dict[int, int] = {}
+
+    def start_generate(self, prompts, n, params, *, min_version=None, urgent=False):
+        job = {
+            "prompts": [list(p) for p in prompts], "n": n, "params": params,
+            "min_version": self.version if min_version is None else min_version,
+            "urgent": urgent, "version": None,
+        }  # fmt: skip
+        self.jobs.append(job)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.waiting.insert(0 if urgent else len(self.waiting), (job, future))
+        self._run_ready()
+        return future
+
+    def update_weights(self, source, version: int) -> None:
+        super().update_weights(source, version)
+        self._run_ready()
+
+    def _run_ready(self) -> None:
+        while self.waiting and self.waiting[0][0]["min_version"] <= self.version:
+            job, future = self.waiting.pop(0)
+            job["version"] = self.version
+            groups = self.generate(job["prompts"], job["n"], job["params"])
+            for index, group in enumerate(groups):
+                for sample in group:
+                    versions = [self.version] * len(sample.response_ids)
+                    if self.swap_after is not None:
+                        cut = min(self.swap_after, len(versions))
+                        versions = versions[:cut] + [self.version + 1] * (len(versions) - cut)
+                    lag = self.extra_lag.get(index, 0)
+                    sample.token_versions = [v - lag for v in versions]
+            future.set_result(groups)
+
+    def servers_to_resync(self) -> list[str]:
+        return []
+
+    def fault_metrics(self) -> dict[str, float]:
+        return {}
+
+
 # -- run files ---------------------------------------------------------------------------------
 
 
@@ -722,7 +781,7 @@ def build_fake_run(
     )
     # The initial policy, frozen, as build_trainer makes it.
     reference = policy.frozen_copy() if cfg.algorithm.kl_coef > 0 else None
-    rollout = FakeRollout(
+    rollout = (FakeRollout if cfg.rollout.mode == "sync" else FakeGeneratorProcess)(
         policy, record_routes=cfg.algorithm.routing_replay == "r3", logprob_noise=logprob_noise
     )
     run = FakeRun(

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from launch import (
@@ -36,11 +37,16 @@ SMALL = [
 
 
 def train(
-    run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    timeout: float = 600,
+    check: bool = True,
+    faults: str | None = None,
 ) -> subprocess.CompletedProcess:
+    expect = "success" if check else ("killed" if faults else "failure")
     return gspo_train(
-        run_dir, *SMALL, *overrides, nproc=nproc, timeout=timeout,
-        expect="success" if check else "failure",
+        run_dir, *SMALL, *overrides, nproc=nproc, timeout=timeout, expect=expect, faults=faults,
     )  # fmt: skip
 
 
@@ -194,7 +200,8 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
     "overrides",
     [
         # (every loss preset, dynamic sampling and routing replay also run in test_option_sweep.py)
-        ["algorithm=dupo"],  # duplication of informative groups, solved-prompt pre-filter
+        # duplication of informative groups, solved-prompt pre-filter; one step off policy
+        ["algorithm=dupo", "rollout.mode=one_step_off"],
         [
             "algorithm=grpo",
             "algorithm.routing_replay=r2",
@@ -202,9 +209,10 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
             "algorithm.mismatch_level=sequence",
             "algorithm.kl_coef=0.01",
             "algorithm.num_minibatches=1",
-        ],  # recorded routes, TIS weights per sequence, KL to the initial policy
+            "rollout.mode=async",
+        ],  # recorded routes, decoupled PPO (TIS per sequence), KL to the initial policy
     ],
-    ids=["dupo", "grpo-r2-tis-kl"],
+    ids=["dupo-one-step-off", "grpo-r2-tis-kl-async"],
 )
 def test_algorithm_options_run(tmp_path, overrides):
     train(tmp_path, "trainer.steps=2", "trainer.eval_every=0", *overrides)
@@ -212,6 +220,8 @@ def test_algorithm_options_run(tmp_path, overrides):
     assert len(records) == 2
     for record in records:  # trained, or dynamic sampling found nothing to learn from
         assert "actor/loss" in record or record["sampling/groups_used"] == 0, record
+    # step 2's batch generated while step 1 trained: with the initial weights
+    assert [r["async/staleness_max"] for r in records] == [0, 1]
     if "algorithm.kl_coef=0.01" in overrides:
         # The reference is the initial policy: step 1's only minibatch trains from it. The
         # reference forward and the training forward pack each sequence with other neighbours,
@@ -405,3 +415,37 @@ def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
     assert paths.index("/update_weights_from_disk") < paths.index("/generate")
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in weights
     assert len(metrics(tmp_path / "run")) == 2
+
+
+def test_async_killed_and_resumed_records_every_step_once(tmp_path):
+    """rollout.mode=async killed (kill -9) in step 3: its generator process leaves with the
+    trainer, and the resumed run draws the batches that were in flight again and records every
+    step once, with no token more than max_staleness versions old. (Two ranks run async in
+    tests/device/test_emulated_train.py.)"""
+    common = [
+        "rollout.mode=async",
+        "rollout.queue_batches=3",
+        "rollout.max_staleness=2",
+        "rollout.max_new_tokens=12",
+        "trainer.steps=5",
+        "trainer.save_every=2",
+        "trainer.eval_every=5",
+    ]
+    started = time.time()
+    # num_minibatches=4 optimizer steps per RL step: the 10th is in step 3
+    train(tmp_path, *common, check=False, faults="kill_after_optimizer_step=10")
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+    time.sleep(2)  # the process notices its trainer is gone within 0.5 s
+    orphans = [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline", "create_time"])
+        if p.info["create_time"] >= started and "spawn_main" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not orphans, orphans
+    proc = train(tmp_path, *common)
+    assert "resumed at step 2" in proc.stderr
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(r["async/staleness_max"] <= 2 for r in records)
+    assert all(r["async/dropped_samples"] == 0 for r in records)
+    assert "eval/pass@1" in records[-1]

@@ -13,13 +13,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
-from trainer.fakes import SMALL, ConfigComposer, FakeRun, MemoryCheckpoints, build_fake_run
+from trainer.fakes import SMALL, FakeRun, MemoryCheckpoints, build_fake_run
 
 from gspo_megatron.algorithms.losses import POLICY_LOSSES
 from gspo_megatron.algorithms.mismatch import mismatch_support
 from gspo_megatron.config import ConfigError
-from gspo_megatron.data.tokenizer import load_tokenizer
 from gspo_megatron.rewards.synthetic import partial_credit
 
 _MEGATRON_ALREADY_IMPORTED = "megatron.core" in sys.modules
@@ -42,24 +40,7 @@ MISMATCH_NOISE = 1.0  # std of the rollout's log-prob noise: corrections on both
 TOL = 1e-10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tensors here are tiny: a second intra-op thread only adds hand-offs (10 ms a matmul on a
-    busy 2-core machine instead of 10 us)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("char")
-
-
-@pytest.fixture(scope="module")
-def composer():
-    return ConfigComposer()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_fake(composer, tokenizer, *overrides: str, noise: float = 0.05, **kwargs) -> FakeRun:
@@ -663,6 +644,30 @@ def test_resume_repeats_the_uninterrupted_run(composer, tokenizer):
             assert a[key] == b[key], key
     for key, value in whole.policy.state_dict().items():
         assert (resumed.policy.state_dict()[key] == value).all()
+
+
+def test_a_failed_run_holds_its_signal_handlers_until_close(composer, tokenizer):
+    """torchrun SIGTERMs the other ranks the moment one rank exits; a rank whose run failed must
+    not die of that signal before it has printed its error, so the handlers go only at close."""
+    import signal
+
+    cfg, model, layout = composer.resolve("trainer.steps=2")
+    run = build_fake_run(cfg, model, layout, tokenizer)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def lose_a_peer():
+        raise RuntimeError("peer gone")
+
+    run.trainer._loop = lose_a_peer
+    with pytest.raises(RuntimeError, match="peer gone"):
+        run.trainer.train()
+    held = signal.getsignal(signal.SIGTERM)
+    assert held is not before and held is signal.getsignal(signal.SIGINT)
+    signal.raise_signal(signal.SIGTERM)
+    assert run.trainer.stop_requested
+    run.trainer.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGINT) is not held
 
 
 def test_evaluation(composer, tokenizer):
