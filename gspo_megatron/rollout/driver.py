@@ -124,6 +124,8 @@ class RolloutDriver:
         except WeightsNotLoadedError as e:
             logger.warning("re-sync of %s failed (retried later): %s", ", ".join(urls), e)
         except Exception as e:  # noqa: BLE001 - rank 0 reports it at its next event
+            if self.ranks.rank != 0:  # rank 0's own error reaches the log when it is raised
+                logger.exception("re-sync of %s failed on this rank", ", ".join(urls))
             return e
         return None
 

@@ -240,16 +240,17 @@ class GeneratorProcessEngine:
         self._closed = True
         if not self.leader:
             return
+        # Jobs in flight are abandoned: the process holds nothing worth waiting for.
         self._jobs.put(None)
-        self._process.join(timeout=10)
+        self._process.join(timeout=2)
         if self._process.is_alive():
             self._process.kill()
             self._process.join()
         self._fail_pending("the generator process was closed")
         self._reader.join(timeout=5)
         for q in (self._jobs, self._results):
+            q.cancel_join_thread()  # nobody reads what is left
             q.close()
-            q.join_thread()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -299,8 +300,17 @@ class ProcessGenerator:
 
     tracks_versions = True
 
-    def __init__(self, settings: GeneratorSettings, staging, rope_table, lock, published) -> None:
+    def __init__(
+        self,
+        settings: GeneratorSettings,
+        staging,
+        rope_table,
+        lock,
+        published,
+        parent: int | None = None,
+    ) -> None:
         self.settings = settings
+        self.parent = parent  # the trainer's pid: generation stops when it is gone
         self.device = torch.device(settings.device)
         self.record_routes = settings.record_routes
         self.route_shape = settings.route_shape
@@ -327,6 +337,8 @@ class ProcessGenerator:
         return True
 
     def refresh_weights(self) -> bool:
+        if self.parent is not None and os.getppid() != self.parent:
+            raise SystemExit(0)  # the trainer is gone (killed): so is everything generated
         if not self.settings.partial or not self.take_weights():
             return False
         self.swaps += 1
@@ -358,7 +370,7 @@ def _generator_main(settings, staging, rope_table, lock, published, jobs, result
     torch.set_num_threads(settings.threads)
     if settings.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(settings.device))
-    generator = ProcessGenerator(settings, staging, rope_table, lock, published)
+    generator = ProcessGenerator(settings, staging, rope_table, lock, published, parent)
     pending: list[_Job] = []
     idle_s = weights_wait_s = 0.0
     while True:
