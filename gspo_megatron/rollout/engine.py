@@ -95,10 +95,11 @@ class RolloutEngine(Protocol):
     """What the trainer needs from a rollout engine.
 
     `generates_on_every_rank`: true for engines whose generation is collective over the
-    trainer's ranks (the embedded engine); false for server engines, which generate on rank 0
-    (the trainer shares the samples) and also offer `start_generate`, `servers_to_resync`,
-    `update_weights(..., urls=)`, `resync_poll_s` and `fault_metrics`
-    (gspo_megatron/rollout/driver.py, gspo_megatron/rollout/sglang/engine.py).
+    trainer's ranks (the embedded engine); false for engines outside the trainer (SGLang
+    servers, the generator process), driven by rank 0 (the trainer shares the samples), which
+    also offer `start_generate`, `servers_to_resync`, `update_weights(..., urls=)`,
+    `resync_poll_s` and `fault_metrics` (gspo_megatron/rollout/driver.py,
+    gspo_megatron/rollout/sglang/engine.py, gspo_megatron/rollout/generator.py).
     """
 
     generates_on_every_rank: bool
