@@ -131,7 +131,7 @@ def build_rollout(cfg: RunConfig, engine):
     """The rollout engine and, for external engines, the weight source it syncs from."""
     r = cfg.rollout
     record_routes = cfg.algorithm.routing_replay == "r3"
-    if r.mode != "sync":
+    if r.mode != "sync" and r.engine == "embedded":
         return build_generator_process(cfg, engine, record_routes)
     if r.engine == "embedded":
         from gspo_megatron.rollout.embedded import EmbeddedEngine
@@ -150,7 +150,8 @@ def build_rollout(cfg: RunConfig, engine):
 
     source = MegatronWeightSource.from_engine(engine)
     # Rank 0, the weights' sender, launches and drives the servers (rollout/driver.py).
-    return SGLangEngine(sglang_config(cfg), leader=source.is_sender()), source
+    engine_cfg, leader = sglang_config(cfg), source.is_sender()
+    return SGLangEngine(engine_cfg, leader=leader, partial_rollouts=r.mode == "async"), source
 
 
 def build_generator_process(cfg: RunConfig, engine, record_routes: bool):
@@ -204,6 +205,19 @@ def sglang_config(cfg: RunConfig):
     values = dict(cfg.rollout.sglang)
     try:
         values["launch"] = [ServerLaunchConfig(**entry) for entry in values.get("launch", [])]
-        return SGLangEngineConfig(**values)
+        engine_cfg = SGLangEngineConfig(**values)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"rollout.sglang: {err}") from err
+    mode = cfg.rollout.mode
+    if mode != "sync" and engine_cfg.weight_sync == "tensor":
+        raise ConfigError(
+            f"rollout.sglang.weight_sync=tensor with rollout.mode={mode}: tensor mode is for "
+            "servers colocated with the trainer on its GPUs, where generation and training take "
+            "turns; overlapping them needs servers of their own (weight_sync=distributed or disk)"
+        )
+    if mode != "sync" and engine_cfg.offload_after_generate:
+        raise ConfigError(
+            f"rollout.sglang.offload_after_generate with rollout.mode={mode}: batches generate "
+            "while others are queued, so the servers' memory cannot leave after each one"
+        )
+    return engine_cfg

@@ -132,7 +132,9 @@ class RolloutSection:
     mode: sync (generate, then train) | one_step_off (batch k+1 generates while batch k trains,
     with the weights from before step k) | async (queue_batches batches generate ahead, taking
     new weights between any two tokens: partial rollouts). One_step_off and async run the
-    embedded engine in a generator process of its own (gspo_megatron/rollout/generator.py).
+    embedded engine in a generator process of its own (gspo_megatron/rollout/generator.py);
+    SGLang servers generate the batches ahead, a weight update aborting (async) or waiting for
+    (one_step_off) the requests running.
     max_staleness: no trained token was sampled by weights more than this many versions older
     than the ones that train on it (batches start only within the bound). queue_batches: how
     many batches async mode keeps submitted ahead. partial_rollout_mask: (async) leave out of
@@ -442,11 +444,6 @@ def _check_rollout_mode(cfg: RunConfig) -> None:
         raise ConfigError(
             f"rollout.mode={mode} needs rollout.max_staleness >= 1: a batch that generates while "
             "the previous one trains is sampled by weights one version old"
-        )
-    if rollout.engine != "embedded":
-        raise ConfigError(
-            f"rollout.mode={mode} runs with rollout.engine=embedded (its generator process); "
-            "SGLang servers generate synchronously for now"
         )
     if cfg.trainer.offload_during_rollout != "none":
         raise ConfigError(

@@ -77,6 +77,17 @@ class RolloutSample:
         return [self.weight_version] * len(self.response_ids)
 
 
+@dataclass
+class JobStats:
+    """What one generate job of an engine outside the trainer cost (the generator process, SGLang
+    servers); its future holds it as `job_stats` once done."""
+
+    idle_s: float = 0.0  # before it started, no job was running: the rollouts waited on the trainer
+    weights_wait_s: float = 0.0  # waiting for weights new enough (the staleness bound)
+    generate_s: float = 0.0
+    weight_swaps: int = 0  # partial rollouts: weights taken between two tokens
+
+
 @runtime_checkable
 class WeightSource(Protocol):
     """Hugging Face-named tensors of the current policy, produced in bounded buckets.

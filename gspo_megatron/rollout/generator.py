@@ -36,6 +36,7 @@ import torch
 
 from gspo_megatron.rollout.batching import GenerationBatch, make_sequences, plan_batches
 from gspo_megatron.rollout.engine import (
+    JobStats,
     RolloutSample,
     RolloutUnavailableError,
     SamplingParams,
@@ -77,16 +78,6 @@ class _Job:
     params: SamplingParams
     min_version: int
     urgent: bool
-
-
-@dataclass
-class JobStats:
-    """What one job cost the generator process (returned with its samples)."""
-
-    idle_s: float = 0.0  # waiting for a job: the rollouts waited on the trainer
-    weights_wait_s: float = 0.0  # waiting for weights new enough (the staleness bound)
-    generate_s: float = 0.0
-    weight_swaps: int = 0  # partial rollouts: weights taken between two tokens
 
 
 class GeneratorProcessEngine:

@@ -6,6 +6,13 @@
 #   HF_DIR=/ckpt/Qwen3-30B-A3B-Base DATA=/data/math_train.jsonl \
 #     bash slurm/examples/qwen3_30b_a3b_4nodes_disaggregated.sh [more overrides]
 #   bash slurm/examples/qwen3_30b_a3b_4nodes_disaggregated.sh --dry-run   # checks only
+#
+# Asynchronous (docs/ROLLOUT.md, "Asynchronous rollouts"): the servers generate the next two
+# batches while the trainer trains; each weight update aborts the requests running and
+# continues them on the new weights (partial rollouts), no trained token more than two
+# versions old:
+#   bash slurm/examples/qwen3_30b_a3b_4nodes_disaggregated.sh rollout.mode=async \
+#     rollout.queue_batches=2 rollout.max_staleness=2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 train_nodes=2 rollout_nodes=2 gpus=8 gpu_gib=79.6

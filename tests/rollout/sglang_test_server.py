@@ -382,6 +382,7 @@ def load_sglang_classes():
 def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
     import asyncio
     import base64
+    import contextlib
     import io
 
     import pydantic
@@ -408,10 +409,44 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         "weights": {},  # name -> tensor
         "log": [],
         "faults": {},  # path -> list of {"kind", "delay_s"}
-        "inflight": set(),
+        "inflight": set(),  # abort events of /generate requests in flight
+        "generating": 0,  # /generate requests holding the model (SGLang's model_update_lock)
+        "updating": 0,  # weight updates holding or waiting for it
     }
     unpaused = asyncio.Event()
     unpaused.set()
+    model_lock = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def generating():
+        """A /generate request's reader hold on the model: it waits for weight updates."""
+        async with model_lock:
+            await model_lock.wait_for(lambda: state["updating"] == 0)
+            state["generating"] += 1
+        try:
+            yield
+        finally:
+            async with model_lock:
+                state["generating"] -= 1
+                model_lock.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def updating():
+        """A weight update's writer hold: it waits for the requests running to finish, unless
+        generation is paused (then it updates at once), as SGLang does."""
+        if state["paused"]:
+            yield
+            return
+        async with model_lock:
+            state["updating"] += 1
+            await model_lock.wait_for(lambda: state["generating"] == 0)
+        try:
+            yield
+        finally:
+            async with model_lock:
+                state["updating"] -= 1
+                model_lock.notify_all()
+
     seen: dict[str, int] = {}
 
     def scheduled_fault(path):
@@ -468,6 +503,11 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         "/continue_generation",
     }  # fmt: skip
 
+    weight_update_paths = {
+        "/update_weights_from_tensor", "/update_weights_from_distributed",
+        "/update_weights_from_disk",
+    }  # fmt: skip
+
     @web.middleware
     async def sglang_middleware(request, handler):
         path = request.path
@@ -513,7 +553,11 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             request.transport.close()  # the client sees the connection drop
             return web.Response(status=500)
         request["fault"] = fault
-        resp = await handler(request)
+        if path in weight_update_paths:
+            async with updating():
+                resp = await handler(request)
+        else:
+            resp = await handler(request)
         if fault and fault["kind"] == "malformed":
             return web.Response(
                 body=b'{"text": "trunc', status=200, content_type="application/json"
@@ -533,7 +577,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
     async def server_info(request):
         return json_response(
             {"tp_size": args.tp_size, "dp_size": args.dp_size, "pp_size": 1,
-             "model_path": "fake", "weight_version": state["version"], "version": "0.5.23"}
+             "model_path": "fake", "weight_version": state["version"], "version": args.release}
         )  # fmt: skip
 
     @routes.get("/model_info")
@@ -564,7 +608,9 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
                 ids = obj.input_ids[i]
                 if any(not 0 <= t < args.vocab_size for t in ids):
                     raise ValueError(f"input_ids out of vocabulary [0, {args.vocab_size})")
-                items.append((ids, sp, obj.return_logprob[i], obj.logprob_start_len[i]))
+                if obj.return_logprob[i] and obj.logprob_start_len[i] != -1:
+                    return json_response({"error": {"message": "test server: input logprobs"}}, 400)
+                items.append((ids, sp, obj.return_logprob[i]))
         except (ValueError, TypeError) as e:
             return json_response({"error": {"message": str(e)}}, 400)
         if "kv_cache" in state["released"] or "weights" in state["released"]:
@@ -573,33 +619,52 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
                 500,
             )
         await unpaused.wait()
+        async with generating():
+            return json_response(await completions(obj, items, request["fault"]))
+
+    async def completions(obj, items, fault):
         await asyncio.sleep(args.generate_delay_s)
-        fault = request["fault"]
-        out = []
-        aborted = False
+        version = state["version"]  # the weights this request runs on, held until it ends
+        done = [
+            fake_completion(
+                ids, sp.sampling_seed, version, sp.max_new_tokens,
+                sorted(sp.stop_token_ids or []), args.vocab_size,
+            )
+            for ids, sp, _ in items
+        ]  # fmt: skip
+        kept = None  # tokens each sample keeps when aborted
         if fault and fault["kind"] == "hold":  # stays in flight until /abort_request
             ev = asyncio.Event()
             state["inflight"].add(ev)
             await ev.wait()
-            aborted = True
-        for rid, (ids, sp, want_lp, lp_start) in zip(obj.rid, items, strict=True):
-            toks, lps, finish = fake_completion(
-                ids, sp.sampling_seed, state["version"], sp.max_new_tokens,
-                sorted(sp.stop_token_ids or []), args.vocab_size,
-            )  # fmt: skip
-            if aborted:
-                toks, lps = toks[:1], lps[:1]
-                finish = {"type": "abort", "message": "Abort before prefill",
-                          "status_code": None, "err_type": None}  # fmt: skip
+            kept, message = 1, "Abort before prefill"
+        elif args.token_delay_s:
+            ev = asyncio.Event()
+            state["inflight"].add(ev)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            longest = max(len(toks) for toks, _, _ in done)
+            try:
+                await asyncio.wait_for(ev.wait(), timeout=longest * args.token_delay_s)
+                kept = int((loop.time() - started) / args.token_delay_s)
+                message = "Aborted"
+            except TimeoutError:
+                pass
+            finally:
+                state["inflight"].discard(ev)
+        out = []
+        for rid, (ids, _, want_lp), (toks, lps, finish) in zip(obj.rid, items, done, strict=True):
+            if kept is not None and len(toks) > kept:
+                toks, lps = toks[:kept], lps[:kept]
+                finish = {"type": "abort", "message": message, "status_code": None,
+                          "err_type": None}  # fmt: skip
             meta = {
                 "id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
-                "weight_version": state["version"], "num_retractions": 0,
+                "weight_version": version, "num_retractions": 0,
                 "reasoning_tokens": 0, "completion_tokens": len(toks), "cached_tokens": 0,
                 "e2e_latency": 0.001,
             }  # fmt: skip
             if want_lp:
-                if lp_start != -1:
-                    return json_response({"error": {"message": "test server: input logprobs"}}, 400)
                 meta["output_token_logprobs"] = [
                     [lp, t, None] for lp, t in zip(lps, toks, strict=True)
                 ]
@@ -610,7 +675,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             item = {"text": "", "output_ids": toks, "meta_info": meta}
             sg.api.GenerateResponse.from_json_value(item)  # our answer obeys the contract
             out.append(item)
-        return json_response(out)
+        return out
 
     def session_error(name):
         return json_response(
@@ -885,11 +950,18 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
     @routes.post("/pause_generation")
     async def pause(request):
         try:
-            validate(io_struct.PauseGenerationReqInput, request["json"])
+            obj = validate(io_struct.PauseGenerationReqInput, request["json"])
         except pydantic.ValidationError as e:
             return bad_request(str(e))
         state["paused"] = True
         unpaused.clear()
+        while obj.mode == "abort":  # requests in flight end now, with the tokens they have
+            for ev in state["inflight"]:
+                ev.set()
+            state["inflight"].clear()
+            if state["generating"] == 0:
+                break
+            await asyncio.sleep(0.01)  # one still starting: abort it too, as SGLang repeats
         return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     @routes.post("/continue_generation")
@@ -1031,6 +1103,11 @@ def main() -> None:
     p.add_argument("--exit-at", default=None, help="PATH:N[:MARKER], see exit_now")
     p.add_argument("--fault", action="append", default=[], help="see scheduled_fault")
     p.add_argument("--generate-delay-s", type=float, default=0.0, help="each /generate's time")
+    p.add_argument(
+        "--token-delay-s", type=float, default=0.0,
+        help="each output token's time: an abort or a pause (mode abort) cuts a request short",
+    )  # fmt: skip
+    p.add_argument("--release", default="0.5.23", help="the SGLang version /server_info reports")
     p.add_argument("--state-file", default=None, help="weights held, written at each update")
     args, _ = p.parse_known_args()  # launch_command's other flags (model path, host, ...)
     args.ready_at = time.monotonic() + args.health_delay_s

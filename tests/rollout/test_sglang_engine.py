@@ -55,16 +55,28 @@ def server_b():
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def slow_server():
+    """Each output token takes 20 ms: weight updates come while requests run."""
+    s = fake.start_fake_server(
+        tp_size=1, routed_experts=True, extra_args=["--token-delay-s", "0.02"]
+    )
+    yield s
+    s.stop()
+
+
 @pytest.fixture(autouse=True)
 def _reset(request):
-    for name in ("server", "server_b"):
+    for name in ("server", "server_b", "slow_server"):
         if name in request.fixturenames:
             request.getfixturevalue(name).reset()
 
 
-def make_engine(urls, **kw) -> SGLangEngine:
+def make_engine(urls, partial_rollouts: bool = False, **kw) -> SGLangEngine:
     cfg = {"weight_sync": "tensor", **FAST, **kw}
-    return SGLangEngine(SGLangEngineConfig(urls=list(urls), **cfg))
+    return SGLangEngine(
+        SGLangEngineConfig(urls=list(urls), **cfg), partial_rollouts=partial_rollouts
+    )
 
 
 class FakeSource:
@@ -432,6 +444,105 @@ def test_abort_all_ends_running_requests_with_abort(server):
         eng.abort_all()
         t.join(timeout=20)
     assert out["g"][0][0].finish_reason == "abort"
+
+
+# ---- generation overlapping weight updates (rollout.mode one_step_off / async) ----------------
+
+
+def test_an_update_with_partial_rollouts_continues_the_requests_it_aborts(slow_server):
+    """rollout.mode=async: the update aborts the requests running (/pause_generation mode abort),
+    loads the weights, and each sample continues from its prompt plus the tokens it has, with
+    its seed; every token keeps the log-prob and the version of the weights that sampled it."""
+    prompts, n, new = [[1, 2, 3], [4, 5]], 2, 60
+    params = SamplingParams(max_new_tokens=new, seed=11)
+    routes = {"return_routed_experts": True, "routed_experts_layers": fake.NUM_LAYERS,
+              "routed_experts_top_k": fake.TOP_K}  # fmt: skip
+    with make_engine([slow_server.url], partial_rollouts=True, **routes) as eng:
+        eng.update_weights(FakeSource(seed=1), version=0)
+        job = eng.start_generate(prompts, n, params)
+        _wait_for(lambda: "/generate" in paths(slow_server))
+        time.sleep(0.2)  # about 10 of the 60 tokens (20 ms each)
+        eng.update_weights(FakeSource(seed=2), version=1)
+        groups = job.result(timeout=30)
+    log = slow_server.log()
+    order = [e["path"] for e in log]
+    pause, resume = order.index("/pause_generation"), order.index("/continue_generation")
+    assert log[pause]["body"] == {"mode": "abort"}
+    assert pause < order.index("/update_weights_from_tensor", pause) < resume
+    first, second = (e["body"] for e in log if e["path"] == "/generate")
+    for k, s in enumerate(s for group in groups for s in group):
+        prompt, seed = prompts[k // n], 11 + k
+        cut = s.token_versions.count(0)
+        assert 0 < cut < new and s.token_versions == [0] * cut + [1] * (new - cut)
+        before, before_lps, _ = fake.fake_completion(prompt, seed, "0", new)
+        after, after_lps, _ = fake.fake_completion(prompt + before[:cut], seed, "1", new - cut)
+        assert s.response_ids == before[:cut] + after
+        assert s.logprobs == before_lps[:cut] + after_lps
+        assert s.finish_reason == "length" and s.weight_version == 1
+        assert (s.routed_experts == fake.fake_routed_experts(len(prompt) + new - 1)).all()
+        assert first["input_ids"][k] == prompt
+        assert second["input_ids"][k] == prompt + before[:cut]  # token ids, never re-tokenised
+        assert second["sampling_params"][k]["max_new_tokens"] == new - cut
+        assert second["sampling_params"][k]["sampling_seed"] == seed
+    assert job.job_stats.weight_swaps == 1
+
+
+def test_without_partial_rollouts_an_update_waits_for_the_requests_running(slow_server):
+    """rollout.mode=one_step_off: a batch in flight finishes on the weights it started with (SGLang
+    holds the update until it ends), and a job that needs newer weights starts after them."""
+    prompts, params = [[7, 8]], SamplingParams(max_new_tokens=25, seed=4)
+    with make_engine([slow_server.url]) as eng:
+        eng.update_weights(FakeSource(seed=1), version=0)
+        running = eng.start_generate(prompts, 2, params)
+        _wait_for(lambda: "/generate" in paths(slow_server))
+        waiting = eng.start_generate(prompts, 2, params, min_version=1)
+        time.sleep(0.2)
+        assert not waiting.done()
+        eng.update_weights(FakeSource(seed=2), version=1)
+        old, new = running.result(timeout=30), waiting.result(timeout=30)
+    assert "/pause_generation" not in paths(slow_server)
+    for samples, version in ((old[0], 0), (new[0], 1)):
+        for k, s in enumerate(samples):
+            ids, _, _ = fake.fake_completion([7, 8], 4 + k, str(version), 25)
+            assert s.response_ids == ids and s.weight_version == version
+            assert s.token_versions is None and s.finish_reason == "length"
+    assert waiting.job_stats.weights_wait_s >= 0.2
+    assert running.job_stats.weight_swaps == 0
+
+
+def test_an_abort_that_no_update_caused_ends_the_sample(slow_server):
+    """With partial rollouts on, only the engine's own swaps continue a response: an abort from
+    elsewhere ends it with finish reason abort, as in sync mode."""
+    with make_engine([slow_server.url], partial_rollouts=True) as eng:
+        job = eng.start_generate([[1]], 1, SamplingParams(max_new_tokens=50, seed=2))
+        _wait_for(lambda: "/generate" in paths(slow_server))
+        time.sleep(0.1)
+        eng.abort_all()
+        (group,) = job.result(timeout=30)
+    assert group[0].finish_reason == "abort" and 0 < len(group[0].response_ids) < 50
+    assert paths(slow_server).count("/generate") == 1
+
+
+def test_partial_rollouts_refuse_a_server_older_than_sglang_0_5_6():
+    srv = fake.start_fake_server(routed_experts=False, extra_args=["--release", "0.5.5.post3"])
+    try:
+        too_old = r"runs SGLang 0\.5\.5\.post3: .* >= 0\.5\.6"
+        with (
+            make_engine([srv.url], partial_rollouts=True) as eng,
+            pytest.raises(ValueError, match=too_old),
+        ):
+            eng.update_weights(FakeSource(seed=1), version=0)
+    finally:
+        srv.stop()
+
+
+def test_close_cancels_the_jobs_in_flight(slow_server):
+    eng = make_engine([slow_server.url])
+    job = eng.start_generate([[1, 2]], 1, SamplingParams(max_new_tokens=500, seed=0))
+    _wait_for(lambda: "/generate" in paths(slow_server))
+    t0 = time.monotonic()
+    eng.close()
+    assert job.cancelled() and time.monotonic() - t0 < 5
 
 
 # ---- failures -----------------------------------------------------------------------------------

@@ -314,6 +314,21 @@ def test_examples_fit_per_the_planner(example):
     assert "-> fits" in proc.stdout and "preflight ok" in proc.stdout
 
 
+def test_the_disaggregated_example_runs_async_per_preflight():
+    """Its asynchronous variant (the overrides its header gives) passes preflight; with tensor
+    weight sync (colocated servers) it is refused, naming the key."""
+    example = REPO / "slurm" / "examples" / "qwen3_30b_a3b_4nodes_disaggregated.sh"
+    env = {**os.environ, "GSPO_PYTHON": sys.executable}
+    run_async = ["bash", str(example), "--dry-run", "rollout.mode=async", "rollout.queue_batches=2",
+                 "rollout.max_staleness=2"]  # fmt: skip
+    proc = subprocess.run(run_async, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "preflight ok" in proc.stdout, proc.stdout + proc.stderr
+    colocated = [*run_async, "++rollout.sglang.weight_sync=tensor"]
+    proc = subprocess.run(colocated, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "rollout.sglang.weight_sync=tensor with rollout.mode=async" in proc.stdout + proc.stderr
+
+
 def test_scripts_are_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")

@@ -153,11 +153,6 @@ def test_evaluation_goes_before_queued_batches_with_current_weights(composer, to
             "weights one version old",
         ),
         (
-            ("rollout.mode=one_step_off", "rollout.engine=sglang"),
-            ["rollout.mode=one_step_off", "rollout.engine=embedded"],
-            "SGLang servers generate synchronously",
-        ),
-        (
             ("rollout.mode=async", "trainer.offload_during_rollout=optimizer"),
             ["trainer.offload_during_rollout=optimizer", "rollout.mode=async"],
             "generation overlaps training",
@@ -182,7 +177,6 @@ def test_evaluation_goes_before_queued_batches_with_current_weights(composer, to
         "negative-staleness",
         "queue-below-one-batch",
         "async-without-staleness",
-        "sglang",
         "offload",
         "dapo",
         "mask-in-sync",
@@ -192,5 +186,31 @@ def test_evaluation_goes_before_queued_batches_with_current_weights(composer, to
 def test_refused_combinations_name_their_keys(composer, overrides, keys, reason):
     with pytest.raises(ConfigError) as err:
         composer.resolve(*overrides)
+    for key in (*keys, reason):
+        assert key in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("mode", "sglang", "keys", "reason"),
+    [
+        ("async", {}, ["rollout.sglang.weight_sync=tensor", "rollout.mode=async"],
+         "servers of their own"),
+        (
+            "one_step_off",
+            {"weight_sync": "disk", "disk_dir": "/tmp/w", "offload_after_generate": True,
+             "launch": [{"model_path": "m", "enable_memory_saver": True}]},
+            ["rollout.sglang.offload_after_generate", "rollout.mode=one_step_off"],
+            "cannot leave",
+        ),
+    ],
+    ids=["sglang-tensor", "sglang-offload"],
+)  # fmt: skip
+def test_refused_sglang_combinations_name_their_keys(composer, mode, sglang, keys, reason):
+    from gspo_megatron.components import sglang_config
+
+    cfg, _, _ = composer.resolve("rollout=sglang", f"rollout.mode={mode}")
+    cfg.rollout.sglang.update(urls=["http://127.0.0.1:1"], **sglang)
+    with pytest.raises(ConfigError) as err:
+        sglang_config(cfg)
     for key in (*keys, reason):
         assert key in str(err.value)

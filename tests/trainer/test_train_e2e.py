@@ -417,6 +417,38 @@ def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
     assert len(metrics(tmp_path / "run")) == 2
 
 
+def test_sglang_async_rollouts_through_gspo_train(tmp_path):
+    """rollout.mode=async on SGLang (the stand-in, 32 tokens of 30 ms: a batch generates for
+    longer than a step trains): batches generate ahead while steps train, weight updates abort
+    the requests running and continue them on the new weights (partial rollouts), no trained
+    token is older than max_staleness, and every step is recorded once."""
+    fake = _sglang_stand_in()
+    server = fake.start_fake_server(
+        routed_experts=False, vocab_size=48, extra_args=["--token-delay-s", "0.03"]
+    )
+    try:
+        train(
+            tmp_path / "run", "trainer.steps=4", "trainer.eval_every=4", "rollout.mode=async",
+            "rollout.max_staleness=2", "rollout.partial_rollout_mask=true",
+            "rollout.max_new_tokens=32", *SGLANG_FAULTS,
+            f"+rollout.sglang.urls=[{server.url}]",
+            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
+        )  # fmt: skip
+        log = server.log()
+    finally:
+        server.stop()
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in records)
+    partial = [r["async/partial_responses"] for r in records]
+    assert sum(partial) > 0 and sum(r["async/weight_swaps"] for r in records) > 0, partial
+    assert sum(r["async/masked_tokens"] for r in records) > 0  # partial_rollout_mask
+    assert "eval/pass@1" in records[-1]
+    pauses = [e["body"] for e in log if e["path"] == "/pause_generation"]
+    assert pauses and all(b == {"mode": "abort"} for b in pauses)
+    assert len(pauses) == sum(e["path"] == "/continue_generation" for e in log)
+
+
 def test_async_killed_and_resumed_records_every_step_once(tmp_path):
     """rollout.mode=async killed (kill -9) in step 3: its generator process leaves with the
     trainer, and the resumed run draws the batches that were in flight again and records every

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -20,11 +21,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from gspo_megatron.event_loop import LoopThread
 from gspo_megatron.network import free_port
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams, WeightSource
+from gspo_megatron.rollout.engine import (
+    FinishReason,
+    JobStats,
+    RolloutSample,
+    SamplingParams,
+    WeightSource,
+)
 from gspo_megatron.rollout.sglang import weight_sync as ws
 from gspo_megatron.rollout.sglang.client import NO_RETRY, RetryPolicy, SGLangClient, normalize_url
 from gspo_megatron.rollout.sglang.launcher import (
@@ -33,6 +41,7 @@ from gspo_megatron.rollout.sglang.launcher import (
     wait_until_healthy,
 )
 from gspo_megatron.rollout.sglang.protocol import (
+    GenerateOutput,
     SGLangConnectionError,
     SGLangError,
     SGLangHTTPError,
@@ -182,6 +191,45 @@ def _failure_reason(f: concurrent.futures.Future) -> str | None:
     return str(ans.get("message") if isinstance(ans, dict) else ans)
 
 
+def _parse_version(text: str) -> int | None:
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+@dataclass
+class _Response:
+    """One sample's response over its requests: a partial rollout continues after a weight
+    swap, each token keeping the log-prob and the weight version that sampled it."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason = "abort"
+    version: int = 0  # the weights that answered last
+    routed_experts: np.ndarray | None = None
+
+    def extend(self, out: GenerateOutput, version: int) -> None:
+        self.version = version
+        self.ids += out.output_ids
+        self.logprobs += out.logprobs
+        self.versions += [version] * len(out.output_ids)
+        self.finish_reason = out.finish_reason
+        # A continued request's routes cover everything it was given again: the latest answer
+        # holds the routes of every token, from the weights that finished the response.
+        self.routed_experts = out.routed_experts
+
+    def sample(self, prompt: list[int]) -> RolloutSample:
+        spans = len(set(self.versions)) > 1
+        return RolloutSample(
+            prompt_ids=list(prompt),
+            response_ids=self.ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            weight_version=self.version,
+            routed_experts=self.routed_experts,
+            token_versions=self.versions if spans else None,
+        )
+
+
 def _routed_shape_from_model(model_path: str) -> tuple[int, int] | None:
     import json
 
@@ -207,9 +255,15 @@ class SGLangEngine:
 
     generates_on_every_rank = False
 
-    def __init__(self, cfg: SGLangEngineConfig, *, leader: bool = True) -> None:
+    def __init__(
+        self, cfg: SGLangEngineConfig, *, leader: bool = True, partial_rollouts: bool = False
+    ) -> None:
         self.cfg = cfg
         self.leader = leader
+        # rollout.mode=async: a weight update aborts the requests in flight (/pause_generation
+        # mode abort) and continues them on the new weights. Otherwise it waits for them
+        # (SGLang holds an update until the requests running finish).
+        self.partial_rollouts = partial_rollouts
         self.version = 0
         self._updated = False  # before the first update the servers' launch weights count
         self._routed_shape = self._resolve_routed_shape()
@@ -237,6 +291,14 @@ class SGLangEngine:
             else None
         )
         self._servers: list[SGLangServerProcess] = []
+        # Generate jobs (their futures), and what they wait on, on the client's loop.
+        self._jobs: set[concurrent.futures.Future] = set()
+        self._jobs_running = 0
+        self._idle_since = time.monotonic()
+        self._swaps = 0  # weight updates that aborted requests in flight
+        self._version_changed = asyncio.Condition()
+        self._weights_settled = asyncio.Event()
+        self._weights_settled.set()
         self._loop = LoopThread("sglang-client")
         self._client = SGLangClient(
             api_key=cfg.api_key,
@@ -315,10 +377,24 @@ class SGLangEngine:
         return self.start_generate(prompts, n, params).result()
 
     def start_generate(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        min_version: int | None = None,
+        urgent: bool = False,
     ) -> concurrent.futures.Future[list[list[RolloutSample]]]:
-        """`generate` running on the client's loop; the caller may update stale servers'
-        weights meanwhile (`servers_to_resync`, `update_weights(..., urls=...)`)."""
+        """`generate` running on the client's loop; the caller may update weights meanwhile
+        (stale servers': `servers_to_resync`, `update_weights(..., urls=...)`; every server's,
+        rollout.mode one_step_off / async). Its future holds the job's `JobStats` as `job_stats`.
+
+        The job's requests start once the engine's weights are at least `min_version` (default:
+        the current version), and an answer from older weights is never used. `urgent` (the
+        generator process jumps its queue with it) changes nothing here: every job's requests
+        share the servers at once, so none waits behind another.
+        """
+        del urgent
         if not self.leader:
             raise RuntimeError("SGLangEngine.generate runs on the leader (rank 0) only")
         if n < 1:
@@ -326,13 +402,48 @@ class SGLangEngine:
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; SGLang rejects empty input_ids")
-        return self._loop.submit(self._agenerate(prompts, n, params))
+        stats = JobStats()
+        floor = self.version if min_version is None else min_version
+        future = self._loop.submit(self._agenerate(prompts, n, params, floor, stats))
+        future.job_stats = stats  # type: ignore[attr-defined]
+        self._jobs.add(future)
+        future.add_done_callback(self._jobs.discard)
+        return future
 
     async def _agenerate(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        min_version: int,
+        stats: JobStats,
     ) -> list[list[RolloutSample]]:
         if not prompts:
             return []
+        submitted = time.monotonic()
+        if self._jobs_running == 0:
+            stats.idle_s = submitted - self._idle_since
+        self._jobs_running += 1
+        swaps = self._swaps
+        try:
+            async with self._version_changed:
+                await self._version_changed.wait_for(
+                    lambda: not self._updated or self.version >= min_version
+                )
+            started = time.monotonic()
+            stats.weights_wait_s = started - submitted
+            samples = await self._generate_all(prompts, n, params, min_version)
+            stats.generate_s = time.monotonic() - started
+            stats.weight_swaps = self._swaps - swaps
+            return samples
+        finally:
+            self._jobs_running -= 1
+            if self._jobs_running == 0:
+                self._idle_since = time.monotonic()
+
+    async def _generate_all(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, min_version: int
+    ) -> list[list[RolloutSample]]:
         await self._ensure_resident(MEMORY_TAGS)
         flat_prompts = [list(p) for p in prompts for _ in range(n)]
         base = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
@@ -343,7 +454,9 @@ class SGLangEngine:
         ]
         results = await _gather_or_cancel(
             [
-                self._generate_chunk([flat_prompts[k] for k in c], [seeds[k] for k in c], params)
+                self._generate_chunk(
+                    [flat_prompts[k] for k in c], [seeds[k] for k in c], params, min_version
+                )
                 for c in chunks
             ]
         )
@@ -353,12 +466,56 @@ class SGLangEngine:
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     async def _generate_chunk(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams
+        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, min_version: int
     ) -> list[RolloutSample]:
+        """The samples of one /generate request. With partial rollouts, the samples that a
+        weight swap aborted continue once the new weights are in: their prompt plus the tokens
+        they have, the same seeds, the tokens they may still generate (no re-tokenisation)."""
+        responses = [_Response() for _ in prompts]
+        todo = list(range(len(prompts)))
+        while todo:
+            swaps = self._swaps
+            outs = await self._request(
+                [prompts[i] + responses[i].ids for i in todo],
+                [seeds[i] for i in todo],
+                params,
+                [params.max_new_tokens - len(responses[i].ids) for i in todo],
+                min_version,
+            )
+            swapped = self.partial_rollouts and self._swaps != swaps
+            unfinished = []
+            for i, out in zip(todo, outs, strict=True):
+                response = responses[i]
+                response.extend(out, self._version_of(out))
+                if not (swapped and out.finish_reason == "abort"):
+                    continue
+                if response.ids and response.ids[-1] in params.stop_token_ids:
+                    response.finish_reason = "stop"  # stopped as the swap came
+                elif len(response.ids) >= params.max_new_tokens:
+                    response.finish_reason = "length"
+                else:
+                    unfinished.append(i)
+            if unfinished:
+                await self._weights_settled.wait()
+            todo = unfinished
+        return [r.sample(p) for p, r in zip(prompts, responses, strict=True)]
+
+    async def _request(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        params: SamplingParams,
+        max_new_tokens: list[int],
+        min_version: int,
+    ) -> list[GenerateOutput]:
         """One /generate request; on a server fault it goes to another healthy server with the
         same body (same seeds), at most rollout.sglang.max_resubmits times."""
         body = generate_body(
-            prompts, seeds, params, return_routed_experts=self._routed_shape is not None
+            prompts,
+            seeds,
+            params,
+            return_routed_experts=self._routed_shape is not None,
+            max_new_tokens=max_new_tokens,
         )
         for attempt in range(self.cfg.max_resubmits + 1):
             url = self._router or await self.pool.acquire()
@@ -378,13 +535,14 @@ class SGLangEngine:
                     url + "/generate",
                     routed_experts_shape=self._routed_shape,
                 )
-                other = self._other_weights(outs)
-                if other is None:
-                    return self._samples(prompts, outs)
-                # Samples of other weights are never used (a server restarted behind a router,
-                # or one that missed an update): fence the server and ask another.
+                old = self._older_weights(outs, min_version)
+                if old is None:
+                    return outs
+                # Samples of weights older than the job accepts are never used (a server
+                # restarted behind a router, or one that missed an update): fence the server and
+                # ask another.
                 error = SGLangProtocolError(
-                    f"{url} answered with weight version {other!r}, not {self.version}", url
+                    f"{url} answered with weight version {old!r}, older than {min_version}", url
                 )
                 self.pool.counters["stale_answers"] += 1
                 stale = url in self.pool.servers
@@ -398,32 +556,22 @@ class SGLangEngine:
             logger.warning("resubmitting %d samples (same seeds) after: %s", len(prompts), error)
         raise AssertionError("unreachable")
 
-    def _other_weights(self, outs: Sequence[Any]) -> str | None:
-        """The first weight version in `outs` that is not the engine's current one."""
+    def _older_weights(self, outs: Sequence[GenerateOutput], min_version: int) -> str | None:
+        """The first weight version in `outs` older than `min_version` (or not a version this
+        engine set)."""
         if not self._updated:
             return None
         for out in outs:
-            if out.weight_version is not None and out.weight_version != str(self.version):
+            if out.weight_version is None:
+                continue
+            version = _parse_version(out.weight_version)
+            if version is None or version < min_version:
                 return out.weight_version
         return None
 
-    def _samples(self, prompts: list[list[int]], outs: Sequence[Any]) -> list[RolloutSample]:
-        samples = []
-        for prompt, out in zip(prompts, outs, strict=True):
-            version = self.version
-            if out.weight_version is not None and out.weight_version.lstrip("-").isdigit():
-                version = int(out.weight_version)
-            samples.append(
-                RolloutSample(
-                    prompt_ids=list(prompt),
-                    response_ids=out.output_ids,
-                    logprobs=out.logprobs,
-                    finish_reason=out.finish_reason,
-                    weight_version=version,
-                    routed_experts=out.routed_experts,
-                )
-            )
-        return samples
+    def _version_of(self, out: GenerateOutput) -> int:
+        parsed = None if out.weight_version is None else _parse_version(out.weight_version)
+        return self.version if parsed is None else parsed
 
     # ---- server faults -----------------------------------------------------------------------
 
@@ -676,22 +824,29 @@ class SGLangEngine:
             )
         t0 = time.perf_counter()
         targets = list(self._reachable() if urls is None else urls)
-        live = list(targets)
-        failures: dict[str, SGLangError] = {}
-        self._run(self._ensure_resident(("weights",)))
-        live = [u for u in live if u in self._reachable()]
-        for url in targets:
-            if url not in live:
-                failures[url] = SGLangConnectionError(f"{url} did not answer", url)
+        if self.partial_rollouts:
+            self._run(self._require_abort_pause(targets))
+        swap = self.partial_rollouts and urls is None and self._jobs_running > 0
         mode = self.cfg.weight_sync
-        if mode == "tensor":
-            self._update_tensor(source, version, live, failures)
-        elif mode == "distributed":
-            self._update_distributed(source, version, live, failures)
-        else:
-            self._update_disk(source, version, live, failures)
-        self.version, self._updated = version, True
-        self._run(self._settle(targets, failures, version))
+        paused: list[str] = []
+        try:
+            if swap:
+                paused = self._run(self._pause_for_swap(targets))
+            self._run(self._ensure_resident(("weights",)))
+            live = [u for u in targets if u in self._reachable()]
+            failures: dict[str, SGLangError] = {
+                u: SGLangConnectionError(f"{u} did not answer", u) for u in targets if u not in live
+            }
+            if mode == "tensor":
+                self._update_tensor(source, version, live, failures)
+            elif mode == "distributed":
+                self._update_distributed(source, version, live, failures)
+            else:
+                self._update_disk(source, version, live, failures)
+            self.version, self._updated = version, True
+            self._run(self._settle(targets, failures, version))
+        finally:
+            self._run(self._after_update(paused))
         if targets and len(failures) == len(targets):
             reasons = "; ".join(str(e) for e in failures.values())
             raise WeightUpdateError(
@@ -704,6 +859,52 @@ class SGLangEngine:
             version, mode, len(targets) - len(failures), len(targets),
             time.perf_counter() - t0,
         )  # fmt: skip
+
+    async def _require_abort_pause(self, urls: Sequence[str]) -> None:
+        """Partial rollouts need /pause_generation mode abort, which returns once the requests
+        it aborted have ended: SGLang 0.5.6 and later (docs/SGLANG.md, "Asynchronous
+        rollouts"). A server that does not answer is checked when it answers again."""
+        for url in urls:
+            try:
+                info = await self._info(url)
+            except SGLangError:
+                continue
+            release = str(info.get("version", ""))
+            numbers = tuple(int(x) for x in re.findall(r"\d+", release)[:3])
+            if numbers and numbers < (0, 5, 6):
+                raise ValueError(
+                    f"{url} runs SGLang {release}: rollout.mode=async needs SGLang >= 0.5.6 "
+                    "(/pause_generation mode abort, waiting for the requests it aborts)"
+                )
+
+    async def _pause_for_swap(self, urls: Sequence[str]) -> list[str]:
+        """Partial rollouts: abort every request in flight (/pause_generation mode abort; they
+        answer with the tokens they have, finish reason abort) and hold new ones until
+        /continue_generation. Returns the servers paused; one that fails is suspect."""
+        self._weights_settled.clear()
+        self._swaps += 1
+        path = "/pause_generation"
+        answers = await self._post_each(path, dict.fromkeys(urls, {"mode": "abort"}))
+        for url, answer in answers.items():
+            if isinstance(answer, SGLangError):
+                self.pool.failed(url, f"{path}: {answer}")
+            elif isinstance(answer, BaseException):
+                raise answer
+        return [u for u, a in answers.items() if not isinstance(a, BaseException)]
+
+    async def _after_update(self, paused: Sequence[str]) -> None:
+        """Paused servers generate again; jobs waiting for this version, and aborted requests
+        waiting for the new weights, go on."""
+        path = "/continue_generation"
+        answers = await self._post_each(path, dict.fromkeys(paused, {}))
+        for url, answer in answers.items():
+            if isinstance(answer, SGLangError):
+                self.pool.failed(url, f"{path}: {answer}")
+            elif isinstance(answer, BaseException):
+                raise answer
+        async with self._version_changed:
+            self._version_changed.notify_all()
+        self._weights_settled.set()
 
     async def _settle(
         self, targets: Sequence[str], failures: dict[str, SGLangError], version: int
@@ -1023,6 +1224,8 @@ class SGLangEngine:
     def close(self) -> None:
         """Leave the weight-update group (on the servers too), close the HTTP session, and stop
         launched servers."""
+        for job in list(self._jobs):
+            job.cancel()  # their requests' connections close: SGLang aborts them
         if not self._loop.loop.is_closed():
             try:
                 self._loop.run(self.pool.close())  # no health checks or restarts from here

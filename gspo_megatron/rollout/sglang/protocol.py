@@ -27,7 +27,7 @@ import base64
 import binascii
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -109,10 +109,16 @@ def generate_body(
     params: SamplingParams,
     *,
     return_routed_experts: bool,
+    max_new_tokens: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """A batched /generate body: one entry per sample (a prompt repeated once per sample)."""
+    """A batched /generate body: one entry per sample (a prompt repeated once per sample).
+    `max_new_tokens`: per sample, when they differ (continued partial rollouts); default
+    `params.max_new_tokens`."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+    budgets = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else max_new_tokens
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(budgets)} max_new_tokens")
     if not prompts:
         raise ValueError("a /generate batch needs at least one prompt")
     for i, p in enumerate(prompts):
@@ -120,7 +126,10 @@ def generate_body(
             raise ValueError(f"prompt {i} is empty; SGLang rejects empty input_ids")
     body: dict[str, Any] = {
         "input_ids": [[int(t) for t in p] for p in prompts],
-        "sampling_params": [sampling_params_dict(params, s) for s in seeds],
+        "sampling_params": [
+            sampling_params_dict(replace(params, max_new_tokens=m), s)
+            for s, m in zip(seeds, budgets, strict=True)
+        ],
         "return_logprob": True,
         "logprob_start_len": -1,
     }
