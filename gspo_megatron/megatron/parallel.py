@@ -68,6 +68,14 @@ def seed_everything(seed: int) -> None:
 
 
 def destroy() -> None:
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_model_parallel() -> None:
+    """megatron's parallel groups, leaving the default process group (a process that runs
+    several layouts one after another initializes the next on it)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     # destroy_model_parallel (megatron-core 0.19.2) leaves some groups in its module globals
@@ -76,5 +84,3 @@ def destroy() -> None:
     for name, value in vars(parallel_state).items():
         if name.startswith("_") and isinstance(value, dist.ProcessGroup):
             setattr(parallel_state, name, None)
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -1,12 +1,14 @@
 """Engine, rollout and weight export under the emulated accelerator (see test_emulated.py).
 
     python tests/device/emulated_worker.py --modes train,forward
-    torchrun --nproc-per-node=2 tests/device/emulated_worker.py --layout tp=2,sp=1 --modes train
+    torchrun --nproc-per-node=2 tests/device/emulated_worker.py --layout tp=2,sp=1 --modes train \
+        --layout pp=2 --modes train,replay
 
-The emulation is enabled before megatron is imported. Every launch first proves it is active (a
-deliberately mixed op raises; the model's parameters are device tensors), then runs the modes.
-Prints JSON lines on rank 0: {"check", "ok", "detail"}. With --record, refused ops do not raise:
-each rank prints what it caught as {"finding", "rank"} lines (a survey of the code paths).
+The emulation is enabled before megatron is imported. Every layout first proves it is active (a
+deliberately mixed op raises; the model's parameters are device tensors), then runs its modes;
+several layouts run one after another in the same processes. Prints JSON lines on rank 0:
+{"layout", "check", "ok", "detail"}. With --record, refused ops do not raise: each rank prints
+what it caught as {"layout", "finding", "rank"} lines (a survey of the code paths).
 """
 
 from __future__ import annotations
@@ -213,11 +215,25 @@ MODES = {
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--modes", required=True)
-    parser.add_argument("--layout", default="")
+    parser.add_argument(
+        "--modes", action="append", required=True, help="per --layout (repeatable, in order)"
+    )
+    parser.add_argument("--layout", action="append", help="default: one rank, no parallelism")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
-    values = dict(item.split("=") for item in args.layout.split(",") if item)
+    layouts = args.layout or [""]
+    if len(layouts) != len(args.modes):
+        parser.error("give one --modes per --layout")
+    for text, modes in zip(layouts, args.modes, strict=True):
+        check_layout(text, modes.split(","), args.record)
+    parallel.destroy()
+    return 0  # the checks' outcomes are in the lines printed
+
+
+def check_layout(text: str, modes: list[str], record: bool) -> None:
+    """`modes` on one layout (after the proof that the emulation is on); rank 0 prints the
+    results, each naming the layout."""
+    values = dict(item.split("=") for item in text.split(",") if item)
     layout = ParallelLayout(
         tp=int(values.get("tp", 1)),
         pp=int(values.get("pp", 1)),
@@ -228,18 +244,20 @@ def main() -> int:
     )
     parallel.initialize(layout, seed=1234)
     engine = build(layout, ADAM)
+    start = len(RESULTS)
     prove_active(engine)
-    for mode in args.modes.split(","):
+    for mode in modes:
         MODES[mode](engine, layout)
     rank = dist.get_rank()
-    if args.record:
+    if record:
         for finding in device_emulation.findings:
-            print(json.dumps({"finding": finding, "rank": rank}), flush=True)
+            print(json.dumps({"layout": text, "finding": finding, "rank": rank}), flush=True)
+        device_emulation.findings.clear()
     if rank == 0:
-        for result in RESULTS:
-            print(json.dumps(result), flush=True)
-    parallel.destroy()
-    return 0 if all(r["ok"] for r in RESULTS) else 1
+        for result in RESULTS[start:]:
+            print(json.dumps({"layout": text, **result}), flush=True)
+    engine.close()
+    parallel.destroy_model_parallel()
 
 
 if __name__ == "__main__":

@@ -48,33 +48,39 @@ def test_single_process():
     )
 
 
-@pytest.mark.distributed
-def test_tp2_sequence_parallel_moe():
-    results = run_worker(
-        WORKER,
-        ["--layout", "tp=2,sp=1", "--modes", "train,forward,replay,rollout,export"],
-        nproc=2,
-    )
-    assert_all_ok(results, TRAIN | FORWARD | REPLAY | EXPORT | {"rollout_megatron"})
+TWO_RANK_CASES = {
+    "tp2-sequence-parallel-moe": ("tp=2,sp=1", "train,forward,replay,rollout,export"),
+    "ep2": ("ep=2", "train,forward,replay,rollout,export,offload"),
+    "pp2": ("pp=2", "train,replay,export"),
+    "cp2": ("cp=2", "train,forward,replay"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list[dict]]:
+    """Every two-rank case in one launch (process start-up is much of a case's time): the
+    results by layout."""
+    args = [
+        a
+        for layout, modes in TWO_RANK_CASES.values()
+        for a in ("--layout", layout, "--modes", modes)
+    ]
+    results = run_worker(WORKER, args, nproc=2)
+    return {
+        layout: [r for r in results if r["layout"] == layout]
+        for layout, _ in TWO_RANK_CASES.values()
+    }
 
 
 @pytest.mark.distributed
-def test_ep2():
-    results = run_worker(
-        WORKER,
-        ["--layout", "ep=2", "--modes", "train,forward,replay,rollout,export,offload"],
-        nproc=2,
-    )
-    assert_all_ok(results, TRAIN | FORWARD | REPLAY | EXPORT | OFFLOAD | {"rollout_megatron"})
-
-
-@pytest.mark.distributed
-def test_pp2():
-    results = run_worker(WORKER, ["--layout", "pp=2", "--modes", "train,replay,export"], nproc=2)
-    assert_all_ok(results, TRAIN | REPLAY | EXPORT)
-
-
-@pytest.mark.distributed
-def test_cp2():
-    results = run_worker(WORKER, ["--layout", "cp=2", "--modes", "train,forward,replay"], nproc=2)
-    assert_all_ok(results, TRAIN | FORWARD | REPLAY)
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("tp2-sequence-parallel-moe", TRAIN | FORWARD | REPLAY | EXPORT | {"rollout_megatron"}),
+        ("ep2", TRAIN | FORWARD | REPLAY | EXPORT | OFFLOAD | {"rollout_megatron"}),
+        ("pp2", TRAIN | REPLAY | EXPORT),
+        ("cp2", TRAIN | FORWARD | REPLAY),
+    ],
+)
+def test_two_ranks(two_ranks, case, expected):
+    assert_all_ok(two_ranks[TWO_RANK_CASES[case][0]], expected)

@@ -21,27 +21,44 @@ from launch import run_worker
 WORKERS = Path(__file__).resolve().parent
 
 LAYOUTS = [
-    pytest.param("", 1, id="single"),
-    pytest.param("tp=2,sp=1", 2, id="tp2-sp"),
-    pytest.param("pp=2", 2, id="pp2"),
-    pytest.param("pp=2,vpp=2", 2, id="pp2-vpp2"),
-    pytest.param("ep=2", 2, id="ep2"),
-    pytest.param("cp=2", 2, id="cp2"),
-    pytest.param("", 2, id="dp2"),
-    pytest.param("tp=2,sp=1,pp=2,ep=2", 4, id="tp2-pp2-ep2"),
-    pytest.param("tp=2,sp=1,cp=2", 4, id="tp2-cp2"),
-    pytest.param("tp=2,sp=1,ep=2,etp=2", 4, id="tp2-ep2-etp2"),
+    ("", 1, "single"),
+    ("tp=2,sp=1", 2, "tp2-sp"),
+    ("pp=2", 2, "pp2"),
+    ("pp=2,vpp=2", 2, "pp2-vpp2"),
+    ("ep=2", 2, "ep2"),
+    ("cp=2", 2, "cp2"),
+    ("", 2, "dp2"),
+    ("tp=2,sp=1,pp=2,ep=2", 4, "tp2-pp2-ep2"),
+    ("tp=2,sp=1,cp=2", 4, "tp2-cp2"),
+    ("tp=2,sp=1,ep=2,etp=2", 4, "tp2-ep2-etp2"),
 ]
 
 
+@pytest.fixture(scope="module")
+def layout_checks(layout_reference):
+    """The checks of (layout, process count), run at first need with every layout of that
+    process count in one launch: process start-up is most of a small layout's time."""
+    done: dict[tuple[str, int], list[dict]] = {}
+
+    def checks(layout: str, nproc: int) -> list[dict]:
+        if (layout, nproc) not in done:
+            group = [text for text, n, _ in LAYOUTS if n == nproc]
+            args = ["--ref-dir", str(layout_reference)]
+            args += [arg for text in group for arg in ("--layout", text)]
+            results = run_worker(WORKERS / "layout_worker.py", args, nproc=nproc)
+            for text in group:
+                done[text, nproc] = [r for r in results if r["layout"] == text]
+        return done[layout, nproc]
+
+    return checks
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize(("layout", "nproc"), LAYOUTS)
-def test_layout_matches_single_process(layout_reference, layout, nproc):
-    results = run_worker(
-        WORKERS / "layout_worker.py",
-        ["--ref-dir", str(layout_reference), "--layout", layout],
-        nproc=nproc,
-    )
+@pytest.mark.parametrize(
+    ("layout", "nproc"), [pytest.param(text, n, id=name) for text, n, name in LAYOUTS]
+)
+def test_layout_matches_single_process(layout_checks, layout, nproc):
+    results = layout_checks(layout, nproc)
     checks = {r["check"]: r for r in results}
     for mode in ("padded", "packed", "packed_vs_padded"):
         assert f"{mode}/logprobs_max_abs_diff" in checks

@@ -42,13 +42,15 @@ from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 LOGPROB_TOL = 1e-5
 MAX_LEN = 40
 RANK = 0
+LAYOUT = ""  # the layout being checked, named in every line printed
 
 
 def report(check: str, value, tol=None, ok=None) -> bool:
     if ok is None:
         ok = bool(value <= tol)
     if RANK == 0:
-        print(json.dumps({"check": check, "value": value, "tol": tol, "ok": bool(ok)}), flush=True)
+        line = {"layout": LAYOUT, "check": check, "value": value, "tol": tol, "ok": bool(ok)}
+        print(json.dumps(line), flush=True)
     return ok
 
 
@@ -62,7 +64,7 @@ def digest(name: str, groups) -> None:
     tokens = [[s.response_ids for s in g] for g in groups]
     value = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
     if RANK == 0:
-        print(json.dumps({"digest": name, "value": value}), flush=True)
+        print(json.dumps({"layout": LAYOUT, "digest": name, "value": value}), flush=True)
 
 
 def make_prompts(count: int, seed: int, vocab: int, lo: int = 2, hi: int = 9) -> list[list[int]]:
@@ -392,15 +394,29 @@ CHECKS = [
 
 
 def main() -> int:
-    global RANK
+    global LAYOUT
     warnings.filterwarnings("ignore")
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layout", default="", help="e.g. tp=2,sp=1 or ep=2")
-    parser.add_argument("--backends", default="torch,megatron")
+    parser.add_argument(
+        "--layout", action="append", help="e.g. tp=2,sp=1 or ep=2 (repeatable: one after another)"
+    )
+    parser.add_argument("--backends", action="append", help="per --layout (default torch,megatron)")
     parser.add_argument("--checks", default="all")
     args = parser.parse_args()
     checks = CHECKS if args.checks == "all" else args.checks.split(",")
-    values = dict(item.split("=") for item in args.layout.split(",") if item)
+    layouts = args.layout or [""]
+    backends = args.backends or ["torch,megatron"] * len(layouts)
+    if len(backends) != len(layouts):
+        parser.error("give one --backends per --layout")
+    for LAYOUT, names in zip(layouts, backends, strict=True):
+        check_layout(LAYOUT, names.split(","), checks)
+    parallel.destroy()
+    return 0
+
+
+def check_layout(text: str, backends: list[str], checks: list[str]) -> None:
+    global RANK
+    values = dict(item.split("=") for item in text.split(",") if item)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = ParallelLayout(
         tp=int(values.get("tp", 1)),
@@ -412,7 +428,7 @@ def main() -> int:
     parallel.initialize(layout, seed=1234)
     RANK = dist.get_rank()
     config = load_preset("tiny_moe")
-    for backend in args.backends.split(","):
+    for backend in backends:
         parallel.seed_everything(1234)  # the same initial weights for every backend
         trainer = TrainingEngine(
             config,
@@ -426,6 +442,7 @@ def main() -> int:
             report(
                 f"{backend}_unavailable", str(err), ok=backend == "torch" and layout.world_size > 1
             )
+            trainer.close()
             continue
         tag = f"{engine.decoder.name}_"
         if "interface" in checks:
@@ -447,8 +464,8 @@ def main() -> int:
         check_modes_restored(trainer, tag)
         if "update" in checks:
             check_weight_update(trainer, engine, tag)
-    parallel.destroy()
-    return 0
+        trainer.close()
+    parallel.destroy_model_parallel()
 
 
 if __name__ == "__main__":

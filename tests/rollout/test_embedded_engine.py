@@ -39,24 +39,32 @@ CORE = [
 ]
 
 
-def run(layout: str, nproc: int, backends: str) -> tuple[dict[str, dict], dict[str, str]]:
-    """All checks of one launch (asserted ok) and the sample digests."""
-    args = ["--layout", layout, "--backends", backends]
+def run(cases: list[tuple[str, str]], nproc: int) -> dict[str, tuple[dict, dict]]:
+    """Each (layout, backends) case, one after another in one launch (process start-up is much
+    of a case's time): its checks and sample digests, by layout."""
+    args = [
+        arg for layout, backends in cases for arg in ("--layout", layout, "--backends", backends)
+    ]
     lines = run_worker(WORKER, args, nproc=nproc, timeout=900)
-    results = {r["check"]: r for r in lines if "check" in r}
-    failed = [r for r in results.values() if not r["ok"]]
-    assert not failed, failed
-    return results, {r["digest"]: r["value"] for r in lines if "digest" in r}
+    out = {}
+    for layout, _ in cases:
+        mine = [r for r in lines if r["layout"] == layout]
+        results = {r["check"]: r for r in mine if "check" in r}
+        out[layout] = results, {r["digest"]: r["value"] for r in mine if "digest" in r}
+    return out
 
 
 def expect(results: dict, backend: str, names: list[str]) -> None:
+    """Every check of `names` ran for `backend`, and every check passed."""
     missing = [n for n in names if f"{backend}_{n}" not in results]
     assert not missing, missing
+    failed = [r for r in results.values() if not r["ok"]]
+    assert not failed, failed
 
 
 def test_single_process_both_backends():
     """The lean torch decoder (default on one rank) and megatron's GPTModel path."""
-    results, digests = run("", 1, "torch,megatron")
+    results, digests = run([("", "torch,megatron")], 1)[""]
     expect(results, "torch", CORE + ["interface"])
     expect(results, "megatron", CORE + ["interface"])
     # same weights (same seed): the same seeded samples from both decoders
@@ -64,20 +72,27 @@ def test_single_process_both_backends():
     assert digests["torch_greedy"] == digests["megatron_greedy"]
 
 
+TWO_PROCESS_CASES = [
+    # layout, backends, the backends expected to run, checks beyond CORE, id
+    ("tp=2,sp=1", "megatron", ["megatron"], [], "tp2-sp"),
+    ("", "torch,megatron", ["torch", "megatron"], [], "dp2"),
+    ("ep=2", "megatron", ["megatron"], ["lockstep_idle_forwards"], "ep2-dp2-lockstep"),
+    ("tp=2,sp=1,ep=2", "torch,megatron", ["megatron"], [], "tp2-sp-ep2"),
+]
+
+
+@pytest.fixture(scope="module")
+def two_process_results() -> dict[str, tuple[dict, dict]]:
+    return run([(layout, backends) for layout, backends, *_ in TWO_PROCESS_CASES], 2)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("layout", "backends", "expected", "extra"),
-    [
-        pytest.param("tp=2,sp=1", "megatron", ["megatron"], [], id="tp2-sp"),
-        pytest.param("", "torch,megatron", ["torch", "megatron"], [], id="dp2"),
-        pytest.param(
-            "ep=2", "megatron", ["megatron"], ["lockstep_idle_forwards"], id="ep2-dp2-lockstep"
-        ),
-        pytest.param("tp=2,sp=1,ep=2", "torch,megatron", ["megatron"], [], id="tp2-sp-ep2"),
-    ],
+    [pytest.param(*case[:4], id=case[4]) for case in TWO_PROCESS_CASES],
 )
-def test_two_process_layouts(layout, backends, expected, extra):
-    results, _ = run(layout, 2, backends)
+def test_two_process_layouts(two_process_results, layout, backends, expected, extra):
+    results, _ = two_process_results[layout]
     for backend in expected:
         expect(results, backend, CORE + extra)
     if "torch" in backends and "torch" not in expected:
