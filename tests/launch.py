@@ -51,7 +51,9 @@ def start_worker(
 ) -> subprocess.Popen:
     """A worker started in the background (`finish_worker` collects it): workers that do not
     depend on each other run side by side on the machine's cores."""
-    base = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # tests/ for the helpers the workers share (layout_text.py)
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    base = {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env = {**os.environ, **base, **(env or {})}
     cmd = python_command([str(script), *args], nproc=nproc)
     return subprocess.Popen(

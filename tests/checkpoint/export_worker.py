@@ -26,6 +26,8 @@ from gspo_megatron.megatron import cpu_compat
 
 cpu_compat.apply()  # before megatron-core is imported
 
+from layout_text import parse_layout
+
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.rollout.engine import WeightSource
@@ -162,11 +164,7 @@ def main() -> int:
     if args.make_reference:
         make_reference(args.make_reference)
     else:
-        values = {k: int(v) for k, v in (x.split("=") for x in args.layout.split(",") if x)}
-        tp = values.pop("tp", 1)
-        layout = ParallelLayout(
-            tp=tp, sequence_parallel=tp > 1, world_size=parallel.world_size_from_env(), **values
-        )
+        layout = parse_layout(args.layout, parallel.world_size_from_env())
         check_layout(args.ref_dir, layout, args.hf_out)
     parallel.destroy()
     return 0

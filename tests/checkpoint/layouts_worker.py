@@ -24,6 +24,8 @@ from gspo_megatron.megatron import cpu_compat
 
 cpu_compat.apply()  # before megatron-core is imported
 
+from layout_text import parse_layout
+
 from gspo_megatron.checkpoint import logprobs_cli
 from gspo_megatron.checkpoint.loading import read_model_config
 from gspo_megatron.megatron import checkpointing, parallel
@@ -52,20 +54,6 @@ def max_diff(got: list[list[float]], expected: list[list[float]]) -> float:
         if a:
             worst = max(worst, float((torch.tensor(a) - torch.tensor(b)).abs().max()))
     return worst
-
-
-def parse_layout(text: str, world: int) -> ParallelLayout:
-    values = {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
-    tp = values.get("tp", 1)
-    return ParallelLayout(
-        tp=tp,
-        pp=values.get("pp", 1),
-        cp=values.get("cp", 1),
-        ep=values.get("ep", 1),
-        etp=values.get("etp", 1),
-        sequence_parallel=tp > 1,
-        world_size=world,
-    )
 
 
 def teardown_layout() -> None:
@@ -176,7 +164,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", required=True, help="JSON dict of model paths")
     parser.add_argument("--scoring", required=True, help="JSON dict of inputs/expected paths")
-    parser.add_argument("--layouts", default="", help="';'-separated, e.g. tp=2;ep=2;tp=2,ep=2")
+    parser.add_argument("--layouts", default="", help="';'-separated, e.g. ep=2;tp=2,sp=1,ep=2")
     parser.add_argument("--dense-layouts", default="")
     parser.add_argument("--single", action="store_true")
     parser.add_argument("--cli", default=None, help="layout for a final gspo-logprobs main()")

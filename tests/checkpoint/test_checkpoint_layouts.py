@@ -19,8 +19,8 @@ from checkpoint.test_convert import assert_bitwise_equal, hf_tensors
 from launch import run_worker
 
 WORKER = Path(__file__).resolve().parent / "layouts_worker.py"
-LAYOUTS = ["tp=2", "ep=2", "pp=2", "cp=2", "tp=2,ep=2"]
-DENSE_LAYOUTS = ["tp=2", "pp=2"]
+LAYOUTS = ["tp=2,sp=1", "ep=2", "pp=2", "cp=2", "tp=2,sp=1,ep=2"]
+DENSE_LAYOUTS = ["tp=2,sp=1", "pp=2"]
 
 
 def _args(models, scoring) -> list[str]:
@@ -43,7 +43,7 @@ def four(models, scoring, tmp_path_factory) -> tuple[dict[str, dict], Path]:
         *_args(models, scoring),
         "--layouts", ";".join(LAYOUTS), "--dense-layouts", ";".join(DENSE_LAYOUTS),
         "--cli", "tp=2,ep=2", "--cli-output", str(out / "cli.jsonl"),
-        "--save-after", "tp=2,ep=2", "--save-dir", str(out / "saved_tp2_ep2"),
+        "--save-after", "tp=2,sp=1,ep=2", "--save-dir", str(out / "saved_tp2_ep2"),
     ]  # fmt: skip
     results = run_worker(WORKER, args, nproc=4)
     return {r["check"]: r for r in results}, out

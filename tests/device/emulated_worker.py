@@ -24,6 +24,7 @@ device_emulation.enable(record="--record" in sys.argv)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from layout_text import parse_layout  # noqa: E402
 
 from gspo_megatron.device import accelerator  # noqa: E402
 from gspo_megatron.megatron import parallel  # noqa: E402
@@ -233,15 +234,7 @@ def main() -> int:
 def check_layout(text: str, modes: list[str], record: bool) -> None:
     """`modes` on one layout (after the proof that the emulation is on); rank 0 prints the
     results, each naming the layout."""
-    values = dict(item.split("=") for item in text.split(",") if item)
-    layout = ParallelLayout(
-        tp=int(values.get("tp", 1)),
-        pp=int(values.get("pp", 1)),
-        ep=int(values.get("ep", 1)),
-        cp=int(values.get("cp", 1)),
-        sequence_parallel=bool(int(values.get("sp", 0))),
-        world_size=parallel.world_size_from_env(),
-    )
+    layout = parse_layout(text, parallel.world_size_from_env())
     parallel.initialize(layout, seed=1234)
     engine = build(layout, ADAM)
     start = len(RESULTS)

@@ -31,6 +31,8 @@ from gspo_megatron.megatron import cpu_compat
 
 cpu_compat.apply()  # before megatron-core is imported
 
+from layout_text import parse_layout
+
 from gspo_megatron.algorithms import policy_loss
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.engine import NonFiniteError, TrainingEngine
@@ -436,15 +438,7 @@ def main() -> int:
     parser.add_argument("--layout", default="")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
-    values = dict(item.split("=") for item in args.layout.split(",") if item)
-    layout = ParallelLayout(
-        tp=int(values.get("tp", 1)),
-        pp=int(values.get("pp", 1)),
-        ep=int(values.get("ep", 1)),
-        cp=int(values.get("cp", 1)),
-        sequence_parallel=bool(int(values.get("sp", 0))),
-        world_size=parallel.world_size_from_env(),
-    )
+    layout = parse_layout(args.layout, parallel.world_size_from_env())
     parallel.initialize(layout, seed=1234)
     modes = {
         "gradient": lambda: mode_gradient(layout),

@@ -29,6 +29,8 @@ from gspo_megatron.megatron import cpu_compat
 
 cpu_compat.apply()  # before megatron-core is imported
 
+from layout_text import parse_layout
+
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
@@ -242,17 +244,7 @@ def main() -> int:
         make_reference(args.make_reference, args.num_layers)
         return 0
     for text in args.layout or [""]:
-        values = dict(item.split("=") for item in text.split(",") if item)
-        layout = ParallelLayout(
-            tp=int(values.get("tp", 1)),
-            pp=int(values.get("pp", 1)),
-            vpp=int(values.get("vpp", 1)),
-            cp=int(values.get("cp", 1)),
-            ep=int(values.get("ep", 1)),
-            etp=int(values.get("etp", 1)),
-            sequence_parallel=bool(int(values.get("sp", 0))),
-            world_size=parallel.world_size_from_env(),
-        )
+        layout = parse_layout(text, parallel.world_size_from_env())
         results = check_layout(
             args.ref_dir, layout, args.num_layers, args.microbatch_tokens, args.losses.split(",")
         )

@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import types
@@ -28,6 +27,8 @@ import torch.distributed as dist
 from gspo_megatron.megatron import cpu_compat
 
 cpu_compat.apply()  # before megatron-core is imported
+
+from layout_text import parse_layout
 
 from gspo_megatron.megatron import parallel
 from gspo_megatron.megatron.engine import TrainingEngine
@@ -416,15 +417,7 @@ def main() -> int:
 
 def check_layout(text: str, backends: list[str], checks: list[str]) -> None:
     global RANK
-    values = dict(item.split("=") for item in text.split(",") if item)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = ParallelLayout(
-        tp=int(values.get("tp", 1)),
-        ep=int(values.get("ep", 1)),
-        etp=int(values.get("etp", 1)),
-        sequence_parallel=bool(int(values.get("sp", 0))),
-        world_size=world,
-    )
+    layout = parse_layout(text, parallel.world_size_from_env())
     parallel.initialize(layout, seed=1234)
     RANK = dist.get_rank()
     config = load_preset("tiny_moe")

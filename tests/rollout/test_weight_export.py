@@ -21,7 +21,14 @@ def test_export_from_tp2_ep2_equals_single_process_and_loads_in_transformers(tmp
     run_worker(WORKER, ["--make-reference", str(tmp_path)], nproc=1)
     results = run_worker(
         WORKER,
-        ["--ref-dir", str(tmp_path), "--layout", "tp=2,ep=2", "--hf-out", str(tmp_path / "hf")],
+        [
+            "--ref-dir",
+            str(tmp_path),
+            "--layout",
+            "tp=2,sp=1,ep=2",
+            "--hf-out",
+            str(tmp_path / "hf"),
+        ],
         nproc=4,
     )
     checks = {r["check"]: r for r in results}
