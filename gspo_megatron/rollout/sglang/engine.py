@@ -179,16 +179,20 @@ async def _gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
         raise
 
 
+def _refusal(answer: Any) -> str | None:
+    """None when a weight-update answer says success, else the server's reason."""
+    if isinstance(answer, dict) and answer.get("success") is True:
+        return None
+    return str(answer.get("message") if isinstance(answer, dict) else answer)
+
+
 def _failure_reason(f: concurrent.futures.Future) -> str | None:
     """None when a finished weight-update request succeeded, else the reason."""
     if f.cancelled():
         return "cancelled"
     if (e := f.exception()) is not None:
         return str(e)
-    ans = f.result()
-    if isinstance(ans, dict) and ans.get("success") is True:
-        return None
-    return str(ans.get("message") if isinstance(ans, dict) else ans)
+    return _refusal(f.result())
 
 
 def _parse_version(text: str) -> int | None:
@@ -662,24 +666,10 @@ class SGLangEngine:
 
     # ---- control -----------------------------------------------------------------------------
 
-    async def _post_all(
-        self,
-        path: str,
-        body: dict | None = None,
-        *,
-        urls: Sequence[str] | None = None,
-        retry: RetryPolicy | None = None,
-        timeout_s: float | None = None,
-        expect_json: bool = True,
-    ) -> list[Any]:
-        targets = list(self._reachable() if urls is None else urls)
+    async def _post_all(self, path: str, body: dict, *, expect_json: bool = True) -> list[Any]:
+        """`path` on every server that answers (healthy or stale); the first failure raises."""
         return await _gather_or_cancel(
-            [
-                self._client.post(
-                    u, path, body, retry=retry, timeout_s=timeout_s, expect_json=expect_json
-                )
-                for u in targets
-            ]
+            [self._client.post(u, path, body, expect_json=expect_json) for u in self._reachable()]
         )
 
     def pause(self) -> None:
@@ -883,28 +873,26 @@ class SGLangEngine:
         /continue_generation. Returns the servers paused; one that fails is suspect."""
         self._weights_settled.clear()
         self._swaps += 1
-        path = "/pause_generation"
-        answers = await self._post_each(path, dict.fromkeys(urls, {"mode": "abort"}))
+        return await self._control_each("/pause_generation", {"mode": "abort"}, urls)
+
+    async def _after_update(self, paused: Sequence[str]) -> None:
+        """Paused servers generate again; jobs waiting for this version, and aborted requests
+        waiting for the new weights, go on."""
+        await self._control_each("/continue_generation", {}, paused)
+        async with self._version_changed:
+            self._version_changed.notify_all()
+        self._weights_settled.set()
+
+    async def _control_each(self, path: str, body: dict, urls: Sequence[str]) -> list[str]:
+        """`path` on each of `urls` (no retries): the servers that answered; one that fails is
+        suspect."""
+        answers = await self._post_each(path, dict.fromkeys(urls, body))
         for url, answer in answers.items():
             if isinstance(answer, SGLangError):
                 self.pool.failed(url, f"{path}: {answer}")
             elif isinstance(answer, BaseException):
                 raise answer
         return [u for u, a in answers.items() if not isinstance(a, BaseException)]
-
-    async def _after_update(self, paused: Sequence[str]) -> None:
-        """Paused servers generate again; jobs waiting for this version, and aborted requests
-        waiting for the new weights, go on."""
-        path = "/continue_generation"
-        answers = await self._post_each(path, dict.fromkeys(paused, {}))
-        for url, answer in answers.items():
-            if isinstance(answer, SGLangError):
-                self.pool.failed(url, f"{path}: {answer}")
-            elif isinstance(answer, BaseException):
-                raise answer
-        async with self._version_changed:
-            self._version_changed.notify_all()
-        self._weights_settled.set()
 
     async def _settle(
         self, targets: Sequence[str], failures: dict[str, SGLangError], version: int
@@ -949,8 +937,7 @@ class SGLangEngine:
                 failures[url] = ans
             elif isinstance(ans, BaseException):
                 raise ans
-            elif not (isinstance(ans, dict) and ans.get("success") is True):
-                reason = ans.get("message") if isinstance(ans, dict) else ans
+            elif (reason := _refusal(ans)) is not None:
                 failures[url] = WeightUpdateError(f"{url}{path} failed: {reason}", url)
             else:
                 continue
