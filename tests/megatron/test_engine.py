@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import run_worker
+from launch import finish_worker, run_worker, start_worker
 
 WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 
@@ -80,11 +80,14 @@ def test_checkpoint_from_tp2_ep2_loads_on_one_process_and_pp2(tmp_path):
         ["--mode", "save-layout", "--layout", "tp=2,sp=1,ep=2", "--workdir", str(tmp_path)],
         nproc=4,
     )
-    single = run_worker(WORKER, ["--mode", "load-layout", "--workdir", str(tmp_path)])
-    assert_all_ok(single, {"loaded_logprobs_max_abs_diff", "optimizer_across_ep_refused"})
-    pp2 = run_worker(
+    # The two loads read the same checkpoint side by side (one core each).
+    single = start_worker(WORKER, ["--mode", "load-layout", "--workdir", str(tmp_path)])
+    pp2 = start_worker(
         WORKER,
         ["--mode", "load-layout", "--layout", "pp=2", "--workdir", str(tmp_path)],
         nproc=2,
     )
-    assert_all_ok(pp2, {"loaded_logprobs_max_abs_diff"})
+    assert_all_ok(
+        finish_worker(single), {"loaded_logprobs_max_abs_diff", "optimizer_across_ep_refused"}
+    )
+    assert_all_ok(finish_worker(pp2), {"loaded_logprobs_max_abs_diff"})
