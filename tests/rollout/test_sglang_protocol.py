@@ -238,6 +238,17 @@ def test_sglang_contract_rejects_a_wrong_sampling_key(api_types):
         api_types.GenerateRequest.from_json_value(body)
 
 
+def test_generate_body_takes_a_token_budget_per_sample(api_types):
+    """Continued partial rollouts: each sample may still generate a different number of tokens."""
+    body = generate_body([[1, 2, 7], [3]], [4, 5], SamplingParams(max_new_tokens=16),
+                         return_routed_experts=False, max_new_tokens=[13, 16])  # fmt: skip
+    assert [sp["max_new_tokens"] for sp in body["sampling_params"]] == [13, 16]
+    api_types.GenerateRequest.from_json_value(json.loads(json.dumps(body)))
+    with pytest.raises(ValueError, match="2 prompts but 1 max_new_tokens"):
+        generate_body([[1], [2]], [4, 5], SamplingParams(), return_routed_experts=False,
+                      max_new_tokens=[3])  # fmt: skip
+
+
 def test_generate_body_rejects_empty_prompt():
     with pytest.raises(ValueError, match="empty"):
         generate_body([[]], [1], SamplingParams(), return_routed_experts=False)
