@@ -116,6 +116,13 @@ def trained_weights(engine: TrainingEngine) -> list[dict[str, torch.Tensor]]:
     ]
 
 
+def restore(engine: TrainingEngine, weights: list[dict[str, torch.Tensor]]) -> None:
+    """Weights taken by `trained_weights` back into the engine (SGD without momentum keeps no
+    optimizer state, so this stands for loading the checkpoint again, in memory)."""
+    for chunk, state in zip(engine.unwrapped_chunks, weights, strict=True):
+        chunk.load_state_dict(state, strict=False)
+
+
 def weight_differences(engine, expected, initial) -> torch.Tensor:
     """Largest difference of the engine's weights from `expected`, relative to the weights and to
     the update itself (max over ranks). For the latter, differences within two float32 ulps of
@@ -152,12 +159,12 @@ def route_mismatch_fraction(first, second) -> float:
     return differ / total
 
 
-def check_routing_replay(engine, ref_dir: Path, samples, results: list) -> None:
+def check_routing_replay(engine, initial, samples, results: list) -> None:
     """Routes recorded in a padded forward stand for a rollout engine's (R3: per sequence, in
     sequence order). In each mode, the routes recorded (R2) must equal them, and replaying them
     must make every router's own choice equal the replayed experts at every token (a route laid
     out at the wrong token would differ) and leave the log-probs unchanged."""
-    checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
+    restore(engine, initial)
     engine.settings.pack_sequences = False
     given = engine.forward(samples, record_routes=True).routes
     with_routes = [replace(s, routed_experts=r) for s, r in zip(samples, given, strict=True)]
@@ -188,22 +195,24 @@ def check_layout(
     train = with_old_logprobs(samples, [x.numpy() for x in reference["logprobs"]])
     results = []
     outcome: dict[str, dict] = {}
+    expected: dict[str, list] = {}  # the reference's weights after each loss's step
     for mode in ("padded", "packed"):
         engine.settings.pack_sequences = mode == "packed"
-        checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
+        restore(engine, initial)
         logprobs = engine.forward(samples, with_entropy=True).logprobs
         lp_err = max_abs_diff(logprobs, reference["logprobs"])
         results.append((f"{mode}/logprobs_max_abs_diff", lp_err, 1e-5))
         outcome[mode] = {"logprobs": logprobs}
         for name in losses:
-            checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
+            restore(engine, initial)
             metrics = engine.train_step(train, LossSettings(name, LOSSES[name]))
             ref_loss = reference["loss"][name]
             results.append((f"{mode}/{name}_loss_abs_diff", abs(metrics["loss"] - ref_loss), 1e-6))
-            expected = checkpointing.load_reference_weights(
-                engine.unwrapped_chunks, ref_dir / f"after_{name}"
-            )
-            worst = weight_differences(engine, expected, initial)
+            if name not in expected:
+                expected[name] = checkpointing.load_reference_weights(
+                    engine.unwrapped_chunks, ref_dir / f"after_{name}"
+                )
+            worst = weight_differences(engine, expected[name], initial)
             results.append((f"{mode}/{name}_params_rel_diff", float(worst[0]), 1e-5))
             results.append((f"{mode}/{name}_update_rel_diff", float(worst[1]), 1e-5))
             count = torch.tensor([metrics["num_microbatches"]])
@@ -211,16 +220,14 @@ def check_layout(
             results.append((f"{mode}/{name}_min_microbatches_per_rank", float(count), None))
             results.append((f"{mode}/{name}_padding_fraction", metrics["padding_fraction"], None))
             outcome[mode][name] = (metrics["loss"], trained_weights(engine))
-    check_routing_replay(engine, ref_dir, samples, results)
+    check_routing_replay(engine, initial, samples, results)
     padded, packed = outcome["padded"], outcome["packed"]
     lp_err = max_abs_diff(packed["logprobs"], padded["logprobs"])
     results.append(("packed_vs_padded/logprobs_max_abs_diff", lp_err, 1e-6))
     for name in losses:
         loss_diff = abs(packed[name][0] - padded[name][0])
         results.append((f"packed_vs_padded/{name}_loss_abs_diff", loss_diff, 1e-6))
-        checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
-        for chunk, weights in zip(engine.unwrapped_chunks, packed[name][1], strict=True):
-            chunk.load_state_dict(weights, strict=False)
+        restore(engine, packed[name][1])
         worst = weight_differences(engine, padded[name][1], initial)
         results.append((f"packed_vs_padded/{name}_params_rel_diff", float(worst[0]), 1e-6))
         results.append((f"packed_vs_padded/{name}_update_rel_diff", float(worst[1]), 1e-5))
