@@ -113,8 +113,11 @@ class GenerationBatch:
             yield
             if self.engine.refresh_weights():
                 # A partial rollout: new weights between two tokens. The rows' tokens so far
-                # (prompt and partial response, as ids) are fed again under them.
+                # (prompt and partial response, as ids) are fed again under them; rows already
+                # finished (kept until a compaction) are dropped first, not fed again.
                 self.swaps += 1
+                if not bool(self.alive.all()):
+                    self._compact(self.alive.nonzero().flatten())
                 self.decoder.start(self.start, self.total)
                 logits = self._forward(self.tokens[:, : slot + 1], 0)
             else:

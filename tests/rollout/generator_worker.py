@@ -118,15 +118,19 @@ def check_partial_rollout(trainer) -> None:
     generator = ProcessGenerator(settings, staging, rope, threading.Lock(), published)
     generator.take_weights()
     snapshots = {0: snapshot(trainer)}
-    prompts = make_prompts(4, seed=3, vocab=trainer.model_config.vocab_size)
-    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=9)
+    prompts = make_prompts(5, seed=3, vocab=trainer.model_config.vocab_size)
+    # A tenth of the vocabulary stops a row: some finish before the swap (here one is still in
+    # the batch when it comes: dropped then, not fed again), the others span it.
+    vocab = trainer.model_config.vocab_size
+    stops = tuple(range(0, vocab, 10))
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=9, stop_token_ids=stops)
     seqs = make_sequences(
         prompts, 2, params, vocab_size=settings.spec.vocab_size, max_sequence_length=MAX_LEN
     )
     batch = GenerationBatch(generator, seqs, params, params.seed)
     with torch.no_grad():
         for step, _ in enumerate(batch.run()):
-            if step == 6:  # a few tokens in: version 1 arrives
+            if step == 4:  # a few tokens in: version 1 arrives
                 perturb(trainer)
                 for bucket in source.buckets(1 << 30):
                     for name, tensor in bucket:
@@ -136,6 +140,8 @@ def check_partial_rollout(trainer) -> None:
     samples = list(batch.results.values())
     spanning = sum(1 for s in samples if set(s.versions()) == {0, 1})
     report("partial_responses_span_two_versions", spanning, ok=spanning > 0 and batch.swaps == 1)
+    before = sum(1 for s in samples if set(s.versions()) == {0} and s.finish_reason == "stop")
+    report("rows_finished_before_the_swap", before, ok=before > 0)
     ordered = all(s.versions() == sorted(s.versions()) for s in samples)
     report("partial_versions_in_order", int(not ordered), ok=ordered)
     diff, seen = per_version_diff(trainer, samples, snapshots)

@@ -23,6 +23,7 @@ CHECKS = [
     "process_logprob_vs_trainer",
     "process_token_versions",
     "partial_responses_span_two_versions",
+    "rows_finished_before_the_swap",
     "partial_versions_in_order",
     "partial_logprob_vs_trainer_per_version",
     "partial_both_versions_checked",
