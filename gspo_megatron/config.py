@@ -2,10 +2,10 @@
 default and its allowed values, validated before any work.
 
 They are Hydra's schema (`register_schema`: conf/config.yaml starts from it); the preset files of
-the groups model/ algorithm/ parallel/ rollout/ data/ reward/ hold only what a preset changes.
-`resolve()` turns the composed config into these dataclasses, refusing unknown keys with their
-full path, checking every value, and deriving the values that depend on several sections, in
-one place. Nothing here imports megatron.
+the groups model/ algorithm/ parallel/ rollout/ data/ reward/ env/ hold only what a preset
+changes. `resolve()` turns the composed config into these dataclasses, refusing unknown keys
+with their full path, checking every value, and deriving the values that depend on several
+sections, in one place. Nothing here imports megatron.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 from gspo_megatron import CONF_DIR
 from gspo_megatron.config_fields import bounded, check_fields, choice
 from gspo_megatron.data.config import DataConfig
+from gspo_megatron.data.tokenizer import CHAR_TOKENIZER_NAMES
+from gspo_megatron.envs.registry import EnvConfig
 from gspo_megatron.rewards.registry import RewardConfig
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
@@ -219,6 +221,7 @@ class RunConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -340,6 +343,7 @@ def resolve(
         layout.check_sequence_length(cfg.engine.max_sequence_length)
         cfg.data.validate()
         cfg.reward.validate()
+        cfg.env.validate()
     except ConfigError:
         raise
     except ValueError as err:
@@ -357,7 +361,7 @@ def missing_paths(cfg: RunConfig) -> list[str]:
     out = []
     model = cfg.model
     for key, value in (("model.init_from", model.init_from), ("model.tokenizer", model.tokenizer)):
-        if value and value != "char" and not Path(value).exists():
+        if value and value not in CHAR_TOKENIZER_NAMES and not Path(value).exists():
             out.append(f"{key}={value} does not exist")
     for key in ("train_files", "eval_files"):
         for path in getattr(cfg.data, key, None) or []:
@@ -428,6 +432,12 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
 
 def _check_rollout_mode(cfg: RunConfig) -> None:
     rollout, mode = cfg.rollout, cfg.rollout.mode
+    if mode != "sync" and cfg.env.enabled:
+        raise ConfigError(
+            f"env.name={cfg.env.name} with rollout.mode={mode}: multi-turn episodes are "
+            "generated turn by turn on the trainer's side (rank 0 steps the environments), "
+            "which the batches generated ahead do not do; use rollout.mode=sync"
+        )
     if mode == "sync":
         if rollout.partial_rollout_mask:
             raise ConfigError(

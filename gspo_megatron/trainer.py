@@ -38,6 +38,7 @@ from gspo_megatron.rollout.engine import (
     SamplingParams,
     WeightSource,
 )
+from gspo_megatron.rollout.episodes import EpisodeRunner
 from gspo_megatron.rollout.pipeline import RolloutPipeline
 from gspo_megatron.run_files import note
 from gspo_megatron.run_health import RunHealth
@@ -114,6 +115,9 @@ class Trainer:
             seed=cfg.seed + cfg.data.seed,
             shuffle=cfg.data.shuffle,
         )
+        self.episodes = None
+        if cfg.env.enabled:
+            self.episodes = EpisodeRunner(cfg.env, tokenizer, ranks, cfg.engine.max_sequence_length)
         self.pipeline = None
         if cfg.rollout.mode != "sync":
             self.pipeline = RolloutPipeline(
@@ -269,6 +273,8 @@ class Trainer:
             fill = dupo_fill_indices(batch.rewards, num_groups=wanted, generator=generator)
             batch = _select(batch, fill)  # empty when no group is informative, as with DAPO
         stats.update(_generation_metrics(generated))
+        if self.episodes is not None:
+            stats["time/env"] = self.episodes.take_env_time()
         stats["sampling/groups_used"] = float(len(batch.groups))
         if batch.groups:
             batch.advantages = self._advantages(batch.rewards)
@@ -289,12 +295,18 @@ class Trainer:
 
     def _generate_for(self, prompts: list[Prompt], step_seed: int) -> RolloutBatch:
         params = self._sampling_params(self.step, step_seed)
-        groups = self.rollouts.generate(
-            [p.prompt_ids for p in prompts], self.cfg.rollout.group_size, params
-        )
+        groups = self._rollout_groups(prompts, self.cfg.rollout.group_size, params)
         batch = RolloutBatch(prompts=list(prompts), groups=groups)
         batch.rewards = self.score(batch)
         return batch
+
+    def _rollout_groups(
+        self, prompts: list[Prompt], n: int, params: SamplingParams, **options
+    ) -> list[list[RolloutSample]]:
+        """`n` responses per prompt, or `n` episodes with an environment (env.name)."""
+        if self.episodes is not None:
+            return self.episodes.run(self.rollouts, prompts, n, params)
+        return self.rollouts.generate([p.prompt_ids for p in prompts], n, params, **options)
 
     def _admit(
         self, prompts: list[Prompt], groups: list[list[RolloutSample]], stats: dict[str, float]
@@ -340,12 +352,19 @@ class Trainer:
         rewards = torch.tensor(payload[0], dtype=torch.float32).view(len(batch.groups), -1)
         stats = dict(payload[1])
         batch.failed_rewards = int(stats["reward/failures"] + stats["reward/timeouts"])
+        if self.episodes is not None:
+            rewards, failed = _episode_rewards(rewards, flat)
+            batch.failed_rewards += failed
         if "reward/time_s" in stats:
             stats["time/score"] = stats.pop("reward/time_s")
         batch.stats.update(stats)
         alg = self.cfg.algorithm
         if alg.overlong_penalty_length:
-            lengths = torch.tensor([len(s.response_ids) for s in flat], dtype=torch.float32)
+            # what the policy generated: an episode's observations do not count
+            lengths = torch.tensor(
+                [len(s.response_ids) if s.loss_mask is None else sum(s.loss_mask) for s in flat],
+                dtype=torch.float32,
+            )
             penalty = soft_overlong_penalty(
                 lengths, alg.overlong_penalty_length, alg.overlong_penalty_cache
             ).view_as(rewards)
@@ -355,8 +374,11 @@ class Trainer:
 
     def response_text(self, sample: RolloutSample) -> str:
         """What the reward sees: every generated token but the final stop token, so special
-        tokens the policy emits count against it instead of vanishing from the text."""
+        tokens the policy emits count against it instead of vanishing from the text. Of an
+        episode: its last model turn (the final answer)."""
         ids = sample.response_ids
+        if sample.episode is not None:
+            ids = ids[sample.episode.answer_start :]
         if sample.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -381,6 +403,8 @@ class Trainer:
                 row[:n].float().tolist() if cut else None
                 for row, cut, n in zip(kept, truncated.tolist(), lengths, strict=True)
             ]
+        if self.episodes is not None:  # observations are context, never trained on
+            masks = [_mask_product(m, s.loss_mask) for s, m in zip(flat, masks, strict=True)]
         if self.cfg.rollout.partial_rollout_mask:
             masks = [_mask_before_last_swap(s, m) for s, m in zip(flat, masks, strict=True)]
             batch.stats["async/masked_tokens"] = float(
@@ -432,9 +456,11 @@ class Trainer:
         if not recompute:
             for s in samples:
                 s.old_logprobs = list(s.rollout_logprobs)
-        batch.stats.update(_mismatch_stats(samples))
+        # The tokens with a rollout log-prob: all but an episode's observations.
+        sampled = [s.loss_mask for s in flat if s.response_ids]
+        batch.stats.update(_mismatch_stats(samples, sampled))
         if alg.mismatch != "none":
-            self._mismatch_weights(samples, batch)
+            self._mismatch_weights(samples, sampled, batch)
         if self.reference is not None:
             # Routed like the policy's training forward, so that the KL term compares the two
             # policies on the same experts (and is 0 while they are the same weights).
@@ -443,10 +469,18 @@ class Trainer:
                 s.ref_logprobs = lp.tolist()
         batch.samples = samples
 
-    def _mismatch_weights(self, samples: list[TrainSample], batch: RolloutBatch) -> None:
+    def _mismatch_weights(
+        self,
+        samples: list[TrainSample],
+        sampled: list[list[int] | None],
+        batch: RolloutBatch,
+    ) -> None:
         alg = self.cfg.algorithm
         rollout_lp, mask = _pad([s.rollout_logprobs for s in samples])
         old_lp, _ = _pad([s.old_logprobs for s in samples])
+        if any(m is not None for m in sampled):
+            rows = [m or [1] * len(s.response_ids) for s, m in zip(samples, sampled, strict=True)]
+            mask &= _pad(rows)[0] != 0
         correction = correct_mismatch(
             rollout_lp,
             mask,
@@ -527,9 +561,7 @@ class Trainer:
         )
         # Generated ahead of queued training batches, with the current weights.
         options = {} if self.pipeline is None else {"min_version": self.step, "urgent": True}
-        groups = self.rollouts.generate(
-            [p.prompt_ids for p in prompts], r.eval_samples, params, **options
-        )
+        groups = self._rollout_groups(prompts, r.eval_samples, params, **options)
         batch = RolloutBatch(prompts=prompts, groups=groups)
         rewards = self.score(batch)
         solved = rewards >= 1.0
@@ -651,6 +683,25 @@ def _mask_before_last_swap(sample: RolloutSample, mask: list[float] | None) -> l
     return [m if v == last else 0.0 for m, v in zip(mask, versions, strict=True)]
 
 
+def _mask_product(a: list[float] | None, b: list[int] | None) -> list[float] | None:
+    if a is None or b is None:
+        return a if b is None else [float(x) for x in b]
+    return [x * y for x, y in zip(a, b, strict=True)]
+
+
+def _episode_rewards(
+    rewards: torch.Tensor, flat: Sequence[RolloutSample]
+) -> tuple[torch.Tensor, int]:
+    """Each episode's reward: the reward section's score of its final answer plus the
+    environment's step rewards; 0 for an episode whose environment failed (counted with the
+    failed rewards) or that a failed tool call ended (env.on_tool_error=end)."""
+    failures = [s.episode.failure for s in flat]
+    zero = torch.tensor([f is not None for f in failures]).view_as(rewards)
+    extra = torch.tensor([s.episode.env_reward for s in flat], dtype=rewards.dtype)
+    total = torch.where(zero, 0.0, rewards + extra.view_as(rewards))
+    return total, sum(f in ("error", "timeout") for f in failures)
+
+
 def _derive_seed(seed: int, step: int, salt: int) -> int:
     """Per-step sampling seeds derived from the run seed (resumed runs draw the same ones)."""
     return (seed * 1_000_003 + (step + 1) * 7919 + salt * 104_729) % (2**31 - 1)
@@ -680,14 +731,43 @@ def _concat(a: RolloutBatch, b: RolloutBatch) -> RolloutBatch:
 def _generation_metrics(generated: Sequence[RolloutBatch]) -> dict[str, float]:
     """Rewards and lengths of everything generated this step (before any filtering)."""
     flat = [s for b in generated for s in b.flat()]
+    rewards = torch.cat([b.rewards for b in generated])
     return {
         "reward/failed_fraction": sum(b.failed_rewards for b in generated) / max(len(flat), 1),
         **rollout_metrics(
-            torch.cat([b.rewards for b in generated]),
+            rewards,
             torch.tensor([len(s.response_ids) for s in flat]),
             torch.tensor([s.finish_reason == "length" for s in flat]),
         ),
+        **_episode_metrics(flat, rewards.flatten().tolist()),
     }
+
+
+def _episode_metrics(flat: Sequence[RolloutSample], rewards: list[float]) -> dict[str, float]:
+    """Turns, tool use and environment failures of multi-turn episodes (none: {})."""
+    records = [s.episode for s in flat if s.episode is not None]
+    if not records:
+        return {}
+    n = len(records)
+    called = [r.tool_calls > 0 for r in records]
+    out = {
+        "env/turns_mean": sum(r.turns for r in records) / n,
+        "env/tool_calls_per_episode": sum(r.tool_calls for r in records) / n,
+        "env/tool_call_rate": sum(called) / n,
+        "env/tool_errors": float(sum(r.tool_errors for r in records)),
+        "env/failures": float(sum(r.failure == "error" for r in records)),
+        "env/timeouts": float(sum(r.failure == "timeout" for r in records)),
+        "env/ended_by_tool_error": float(sum(r.failure == "tool_error" for r in records)),
+        "env/truncated_observations": float(sum(r.truncated_observation for r in records)),
+        "env/model_token_fraction": sum(sum(s.loss_mask or ()) for s in flat)
+        / max(sum(len(s.response_ids) for s in flat), 1),
+    }
+    # Exact solves with and without a tool call: what the tool is worth to the policy.
+    for key, use in (("env/solved_with_tools", True), ("env/solved_without_tools", False)):
+        picked = [r for r, c in zip(rewards, called, strict=True) if c == use]
+        if picked:
+            out[key] = sum(r >= 1.0 for r in picked) / len(picked)
+    return out
 
 
 def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -700,16 +780,22 @@ def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     return values, mask
 
 
-def _mismatch_stats(samples: Sequence[TrainSample]) -> dict[str, float]:
-    """Rollout-engine vs training-engine log-probs of the same tokens (old policy)."""
+def _mismatch_stats(
+    samples: Sequence[TrainSample], sampled: Sequence[list[int] | None]
+) -> dict[str, float]:
+    """Rollout-engine vs training-engine log-probs of the same tokens (old policy), over the
+    tokens the engine sampled (`sampled`: None for all; an episode's observations have no
+    rollout log-prob)."""
     diffs = [
-        np.abs(np.asarray(s.rollout_logprobs) - np.asarray(s.old_logprobs))
-        for s in samples
+        np.abs(np.asarray(s.rollout_logprobs) - np.asarray(s.old_logprobs))[
+            slice(None) if m is None else np.asarray(m) != 0
+        ]
+        for s, m in zip(samples, sampled, strict=True)
         if s.old_logprobs is not None and s.rollout_logprobs is not None
     ]
-    if not diffs:
+    flat = np.concatenate(diffs) if diffs else np.zeros(0)
+    if not flat.size:
         return {}
-    flat = np.concatenate(diffs)
     return {
         "mismatch/logprob_abs_diff_mean": float(flat.mean()),
         "mismatch/logprob_abs_diff_max": float(flat.max()),

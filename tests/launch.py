@@ -94,8 +94,11 @@ def gspo_train_command(run_dir: Path, overrides: list[str], nproc: int = 1) -> l
 
 def gspo_train_env(faults: str | None = None, fault_rank: int | None = None) -> dict[str, str]:
     """The environment of a gspo-train test run; `faults` arms tests/faults/inject."""
-    path = str(REPO) if faults is None else f"{REPO}{os.pathsep}{FAULT_INJECTOR}"
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # tests/ for the environments of multi-turn runs (envs/scripted_envs.py)
+    paths = [str(REPO), str(REPO / "tests")] + ([] if faults is None else [str(FAULT_INJECTOR)])
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(paths), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"
+    )
     env.pop("GSPO_FAULTS", None)
     if faults is not None:
         env["GSPO_FAULTS"] = faults

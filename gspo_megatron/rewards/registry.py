@@ -7,13 +7,13 @@ is returned as is (kwargs must then be empty).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_megatron.config_fields import bounded, choice, raise_on_problems
+from gspo_megatron.plugins import import_attr
 from gspo_megatron.rewards.base import RewardFn
 from gspo_megatron.rewards.basic import ExactMatchReward, FormatReward
 from gspo_megatron.rewards.math_reward import MathVerifyReward
@@ -48,25 +48,10 @@ register_reward("synthetic")(SyntheticReward)
 register_reward("remote")(_remote)
 
 
-def _import_attr(spec: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - any failure of the user's module, named
-        raise ValueError(
-            f"reward.name={spec!r}: cannot import module {module_name!r} "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"reward.name={spec!r}: module {module_name!r} has no {attr!r}") from None
-
-
 def build_reward(name: str, **kwargs: Any) -> RewardFn:
     """The reward function for `name` (registered, or "module:attribute")."""
     if ":" in name:
-        target = _import_attr(name)
+        target = import_attr(name, "reward.name")
         if inspect.isclass(target):
             return target(**kwargs)
         if kwargs:
@@ -116,7 +101,9 @@ class RewardConfig:
                 "'package.module:function'"
             )
         if ":" in self.name:
-            _import_attr(self.name)  # a user function that cannot be imported fails here
+            import_attr(
+                self.name, "reward.name"
+            )  # a user function that cannot be imported fails here
 
 
 def build_scorer(cfg: RewardConfig) -> RewardScorer:

@@ -7,6 +7,8 @@ tokenizer (`gspo_megatron.data.tokenizer`):
     reverse  "rev:4071="   -> "1704"
     sort     "sort:4071="  -> "0147"
     add      "35+807="     -> "842"     ("248" with reverse_answer=True: least significant first)
+    lookup   "code:kqz="   -> "4096"    (the code of a key, found with the retrieval environment's
+                                         search tool: gspo_megatron/envs/retrieval.py)
 
 `min_digits` / `max_digits` set the difficulty (digits of the string; of each operand for add).
 The reward gives partial credit per position:
@@ -20,7 +22,9 @@ or too short loses credit for every missing or extra position.
 
 from __future__ import annotations
 
+import hashlib
 import random
+import string
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -132,13 +136,39 @@ class AddTask(SyntheticTask):
         return self.max_digits + 1
 
 
+def lookup_code(key: str) -> str:
+    """The 4-digit code of a key: a pure function of the key, so the data set and the retrieval
+    environment's corpus agree without sharing state."""
+    digest = hashlib.blake2b(f"lookup|{key}".encode(), digest_size=8).digest()
+    return f"{int.from_bytes(digest, 'big') % 10_000:04d}"
+
+
+@dataclass(frozen=True)
+class LookupTask(SyntheticTask):
+    """The code of a key of min_digits..max_digits lowercase letters (not computable from the
+    prompt: the policy has to look it up)."""
+
+    name: ClassVar[str] = "lookup"
+    min_digits: int = 3
+    max_digits: int = 3
+    prefix: str = "code:"
+
+    def sample(self, rng: random.Random) -> tuple[str, str]:
+        n = rng.randint(self.min_digits, self.max_digits)
+        key = "".join(rng.choice(string.ascii_lowercase) for _ in range(n))
+        return f"{self.prefix}{key}=", lookup_code(key)
+
+    def max_target_chars(self) -> int:
+        return 4
+
+
 SYNTHETIC_TASKS: dict[str, type[SyntheticTask]] = {
-    t.name: t for t in (CopyTask, ReverseTask, SortTask, AddTask)
+    t.name: t for t in (CopyTask, ReverseTask, SortTask, AddTask, LookupTask)
 }
 
 
 def make_task(name: str, **kwargs: Any) -> SyntheticTask:
-    """A task by name: copy, reverse, sort, add (kwargs: min_digits, max_digits, ...)."""
+    """A task by name: copy, reverse, sort, add, lookup (kwargs: min_digits, max_digits, ...)."""
     if name not in SYNTHETIC_TASKS:
         raise ValueError(
             f"unknown synthetic task {name!r}; choose one of {sorted(SYNTHETIC_TASKS)}"

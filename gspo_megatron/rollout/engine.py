@@ -69,12 +69,31 @@ class RolloutSample:
     # The weight version that sampled each response token, when it can differ between tokens (a
     # partial rollout spans a weight update); None: every token's is `weight_version`.
     token_versions: list[int] | None = None
+    # Multi-turn episodes (gspo_megatron/rollout/episodes.py): 1 on the tokens the model sampled,
+    # 0 on observations (whose `logprobs` entries are 0 and mean nothing); None: all sampled.
+    loss_mask: list[int] | None = None
+    episode: EpisodeRecord | None = None
 
     def versions(self) -> list[int]:
         """The weight version of each response token."""
         if self.token_versions is not None:
             return self.token_versions
         return [self.weight_version] * len(self.response_ids)
+
+
+@dataclass
+class EpisodeRecord:
+    """What happened in one multi-turn episode, for its reward and the `env/` metrics."""
+
+    turns: int = 0  # model turns
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_reward: float = 0.0  # the environment's step rewards, summed
+    # "error" / "timeout": an environment call raised or hung (the episode's reward is 0);
+    # "tool_error": a failed tool call ended it (env.on_tool_error=end)
+    failure: str | None = None
+    truncated_observation: bool = False  # an observation did not fit the token budget
+    answer_start: int = 0  # where the last model turn starts in response_ids (what is scored)
 
 
 @dataclass

@@ -30,6 +30,7 @@ cpu_compat.apply()  # before megatron-core is imported
 
 from layout_text import parse_layout
 
+from gspo_megatron.envs.base import Environment, StepResult
 from gspo_megatron.megatron import parallel
 from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.rollout.embedded import EmbeddedEngine
@@ -291,6 +292,57 @@ def check_routes(trainer, engine, tag: str) -> None:
     report(f"{tag}routed_experts_equal_trainer_routes", int(not ok), ok=ok)
 
 
+class IdsEnv(Environment):
+    """Observations of 1-5 random token ids (seeded by the turn's text) until the third turn."""
+
+    inline_safe = True
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def step(self, turn: str) -> StepResult:
+        self.turns += 1
+        rng = random.Random(turn)
+        ids = [rng.randrange(4, 48) for _ in range(rng.randint(1, 5))]
+        return StepResult(observation=ids, done=self.turns == 3)
+
+
+def check_episodes(trainer, engine, tag: str) -> None:
+    """Multi-turn trajectories: model tokens' log-probs equal the trainer's recompute over the
+    whole trajectory, and the last request's routes cover every token (R3)."""
+    from gspo_megatron.data.dataset import Prompt
+    from gspo_megatron.data.tokenizer import build_char_tokenizer
+    from gspo_megatron.envs.registry import EnvConfig
+    from gspo_megatron.ranks import ProcessGroupRanks
+    from gspo_megatron.rollout.driver import RolloutDriver
+    from gspo_megatron.rollout.episodes import EpisodeRunner
+
+    vocab = trainer.model_config.vocab_size
+    ranks = ProcessGroupRanks()
+    cfg = EnvConfig(name=f"{__name__}:IdsEnv", max_turns=4, max_tokens=30)
+    runner = EpisodeRunner(cfg, build_char_tokenizer(), ranks, MAX_LEN)
+    prompts = [Prompt(i, ids, "") for i, ids in enumerate(make_prompts(5, seed=9, vocab=vocab))]
+    # a quarter of the vocabulary stops a turn, so turns end early and episodes go on
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=tuple(range(0, vocab, 4)), seed=2)
+    samples = flat(runner.run(RolloutDriver(engine, ranks, None), prompts, 2, params))
+    ref = recomputed_logprobs(trainer, samples, record_routes=True)
+    diff, observed, ok = 0.0, 0, True
+    for sample, lp, routes in zip(samples, ref.logprobs, ref.routes, strict=True):
+        mask = np.asarray(sample.loss_mask) == 1
+        observed += int((~mask).sum())
+        diff = max(diff, float(np.abs(np.asarray(sample.logprobs) - lp)[mask].max()))
+        got = sample.routed_experts
+        ok &= got is not None and got.shape[0] == sample_length(sample) - 1
+        ok &= bool((np.sort(got, -1) == np.sort(routes.astype(np.int32), -1)).all())
+    report(f"{tag}episode_logprob_vs_trainer", diff, 1e-6)
+    report(f"{tag}episode_routes_cover_trajectory", int(not ok), ok=ok and observed > 0)
+    digest(f"{tag}episodes", [samples])
+
+
+def sample_length(sample) -> int:
+    return len(sample.prompt_ids) + len(sample.response_ids)
+
+
 def check_weight_update(trainer, engine, tag: str) -> None:
     """After a train step + update_weights, samples come from the new weights."""
     vocab = trainer.model_config.vocab_size
@@ -390,6 +442,7 @@ CHECKS = [
     "determinism",
     "uneven",
     "routes",
+    "episodes",
     "update",
 ]
 
@@ -454,6 +507,8 @@ def check_layout(text: str, backends: list[str], checks: list[str]) -> None:
             check_uneven_shares(trainer, backend, tag)
         if "routes" in checks:
             check_routes(trainer, engine, tag)
+        if "episodes" in checks:
+            check_episodes(trainer, engine, tag)
         check_modes_restored(trainer, tag)
         if "update" in checks:
             check_weight_update(trainer, engine, tag)

@@ -6,7 +6,9 @@ log-probs <= 1e-5); sampled log-probs equal TrainingEngine.forward's recomputed 
 fp32); with temperature/top-k/top-p the log-probs are those of the renormalised processed
 distribution; stop tokens and max_new_tokens (and the trainer's max sequence length) are
 honoured; a seed fixes the samples whatever the batching; recorded routes equal the trainer's;
-after a train step + update_weights the samples come from the new weights; train mode and
+multi-turn episodes (scripted observations between turns) keep the model tokens' log-probs
+equal to the trainer's recompute (<= 1e-6) and their routes cover the whole trajectory; after a
+train step + update_weights the samples come from the new weights; train mode and
 sequence parallelism are restored; every rank returns the same samples.
 """
 
@@ -30,6 +32,8 @@ CORE = [
     "independent_of_batching",
     "unseeded_calls_reproducible",
     "routed_experts_equal_trainer_routes",
+    "episode_logprob_vs_trainer",
+    "episode_routes_cover_trajectory",
     "train_mode_and_sequence_parallel_restored",
     "after_update_equals_new_model_reference",
     "after_update_sampled_logprob_vs_trainer",

@@ -37,9 +37,18 @@ def resolved(*overrides: str):
          "sequence-ratio loss has one term per sequence"),
         (["engine.max_sequence_length=128", "engine.max_tokens_per_microbatch=100"],
          "engine.max_tokens_per_microbatch=100 is below engine.max_sequence_length=128"),
+        (["env=calculator", "rollout.mode=async"],
+         "env.name=calculator with rollout.mode=async: multi-turn episodes are generated turn by "
+         "turn"),
+        (["env=calculator", "rollout.mode=one_step_off"],
+         "env.name=calculator with rollout.mode=one_step_off"),
+        (["env.name=nope"], "unknown env.name='nope'"),
+        (["env=retrieval", "env.kwargs.depth=3"],
+         "env.kwargs do not fit environment 'retrieval'"),
     ],
     ids=["coef-without-type", "type-without-coef", "dense", "sinkhorn", "moved-key",
-         "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget"],
+         "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget",
+         "env-async", "env-one-step-off", "env-unknown", "env-kwargs"],
 )  # fmt: skip
 def test_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -138,7 +147,8 @@ def test_every_key_in_a_config_message_exists():
 
     raw = compose(["algorithm.mismatch=tis"])  # any valid config: the keys are the same
     package = Path(gspo_megatron.__file__).parent
-    sources = ["config.py", "data/config.py", "rewards/registry.py", "spec/training.py",
+    sources = ["config.py", "data/config.py", "rewards/registry.py", "envs/registry.py",
+               "spec/training.py",
                "memory_plan.py", "run_health.py", "components.py"]  # fmt: skip
     named = set()
     for source in sources:

@@ -25,6 +25,8 @@ from launch import (
     read_metrics,
 )
 
+from gspo_megatron.data.tokenizer import load_tokenizer
+
 # A short version of the default run: same model, task, algorithm and engine.
 SMALL = [
     "rollout.prompts_per_step=8",
@@ -481,3 +483,57 @@ def test_async_killed_and_resumed_records_every_step_once(tmp_path):
     assert all(r["async/staleness_max"] <= 2 for r in records)
     assert all(r["async/dropped_samples"] == 0 for r in records)
     assert "eval/pass@1" in records[-1]
+
+
+MULTI_TURN = (
+    "env.name=envs.scripted_envs:TwoObservations", "env.max_turns=4", "env.max_tokens=30",
+    "model.tokenizer=char_tools", "model.vocab_size=80", "rollout.max_new_tokens=8",
+)  # fmt: skip
+
+
+def test_multi_turn_episodes_through_gspo_train(tmp_path):
+    """Episodes with observations between model turns, on the embedded engine with routing
+    replay R3 (the last turn's routes cover the whole trajectory) and TIS: every step trains,
+    observations are masked out (model-token fraction < 1), failures are counted."""
+    train(
+        tmp_path / "run", *MULTI_TURN, "trainer.steps=3", "trainer.eval_every=3",
+        "algorithm.routing_replay=r3", "algorithm.mismatch=tis",
+        "algorithm.mismatch_level=sequence",
+    )  # fmt: skip
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(1 < r["env/turns_mean"] <= 4 for r in records)
+    assert all(0 < r["env/model_token_fraction"] < 1 for r in records)
+    assert all(r["actor/optimizer_steps"] >= 1 for r in records)
+    assert all(r["mismatch/logprob_abs_diff_max"] < 1e-4 for r in records)
+    assert "eval/pass@1" in records[-1]
+
+
+def test_multi_turn_episodes_on_sglang(tmp_path):
+    """The same episodes on SGLang (the stand-in): each turn is a /generate request with the
+    whole trajectory as input_ids; the observations' tokens are in the next request's input."""
+    fake = _sglang_stand_in()
+    server = fake.start_fake_server(routed_experts=False, vocab_size=80)
+    try:
+        train(
+            tmp_path / "run", *MULTI_TURN, "trainer.steps=2", "trainer.eval_every=0",
+            "rollout=sglang", *SGLANG_FAULTS, f"+rollout.sglang.urls=[{server.url}]",
+            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
+        )  # fmt: skip
+        log = server.log()
+    finally:
+        server.stop()
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["env/turns_mean"] > 1 for r in records)
+    inputs = [e["body"]["input_ids"] for e in log if e["path"] == "/generate"]
+    flat = [ids for body in inputs for ids in (body if isinstance(body[0], list) else [body])]
+    # a later turn's request ends with the observation: <eos> <tool_response>+:+...</tool_response>
+    tokenizer = load_tokenizer("char_tools")
+    opening, closing = tokenizer.convert_tokens_to_ids(["<tool_response>", "</tool_response>"])
+    later = [ids for ids in flat if opening in ids]
+    assert later and all(ids[-1] == closing for ids in later)
+    assert all(ids[ids.index(opening) - 1] == tokenizer.eos_token_id for ids in later)
+    # ... whose request starts with the request of the turn before it
+    assert all(any(ids[: len(p)] == p for p in flat if len(p) < len(ids)) for ids in later)
+
