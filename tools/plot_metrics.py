@@ -3,7 +3,7 @@
     python tools/plot_metrics.py outputs/run_a outputs/run_b --out plots/
 
 Writes one PNG per metric family (reward, clip fraction, KL, response length, route changes,
-evaluation), each with every run as a line. `--smooth N` averages over a trailing window.
+evaluation, entropy, multi-turn episodes), each with every run as a line. `--smooth N` averages over a trailing window.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ FIGURES = {
     "route_change": ["moe/route_change_fraction"],
     "eval": ["eval/pass@1"],
     "entropy": ["actor/entropy"],
+    "episodes": ["env/tool_call_rate", "env/turns_mean", "env/solved_with_tools"],
 }
 
 

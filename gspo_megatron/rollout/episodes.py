@@ -29,7 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gspo_megatron.envs.base import Environment, check_observation, check_step_result
+from gspo_megatron.envs.base import (
+    Environment,
+    EnvironmentContractError,
+    check_observation,
+    check_step_result,
+)
 from gspo_megatron.envs.calls import CallOutcome, EnvCalls
 from gspo_megatron.envs.chat import ChatFormat
 from gspo_megatron.envs.registry import environment_class
@@ -113,7 +118,6 @@ class EpisodeRunner:
         if executor == "auto":
             executor = "inline" if cls.inline_safe else "thread"
         self.calls = EnvCalls(executor, cfg.timeout_s) if ranks.rank == 0 else None
-        self.stop_token_ids: tuple[int, ...] = ()
         self._env_time_s = 0.0  # rank 0's time in environment calls
 
     def take_env_time(self) -> float:
@@ -129,7 +133,6 @@ class EpisodeRunner:
         params: SamplingParams,
     ) -> list[list[RolloutSample]]:
         """`n` episodes per prompt, grouped per prompt in prompt order, on every rank."""
-        self.stop_token_ids = tuple(params.stop_token_ids)
         episodes = self._reset([p for p in prompts for _ in range(n)])
         for turn in range(self.cfg.max_turns):
             live: list[tuple[_Episode, int]] = []
@@ -148,7 +151,8 @@ class EpisodeRunner:
                 e.add_turn(sample, room)
             stepped = [e for e, _ in live if e.finish is None]
             last_turn = turn == self.cfg.max_turns - 1
-            for e, answer in zip(stepped, self._step(stepped), strict=True):
+            answers = self._step(stepped, params.stop_token_ids)
+            for e, answer in zip(stepped, answers, strict=True):
                 self._apply(e, answer, last_turn)
         return [[episodes[p * n + j].sample() for j in range(n)] for p in range(len(prompts))]
 
@@ -189,25 +193,28 @@ class EpisodeRunner:
             check_observation(context, where, messages=False)
             if context is None:
                 return None
-            return self.chat.user_ids(context) if isinstance(context, str) else list(context)
+            ids = self.chat.user_ids(context) if isinstance(context, str) else list(context)
+            if not ids:
+                raise EnvironmentContractError(f"{where} returned an empty initial context")
+            return ids
 
         return call
 
-    def _step(self, episodes: Sequence[_Episode]) -> list[Any]:
+    def _step(self, episodes: Sequence[_Episode], stop_ids: Sequence[int]) -> list[Any]:
         """Per episode: (observation ids, StepResult) or an EpisodeRecord of the failure."""
         answers = None
         if self.ranks.rank == 0:
             started = time.perf_counter()
-            outcomes = self.calls.run([self._step_call(e) for e in episodes])
+            outcomes = self.calls.run([self._step_call(e, stop_ids) for e in episodes])
             answers = [o.value if o.status == "ok" else _failed(o) for o in outcomes]
             self._env_time_s += time.perf_counter() - started
         return self.ranks.broadcast(answers)
 
-    def _step_call(self, episode: _Episode) -> Callable[[], Any]:
+    def _step_call(self, episode: _Episode, stop_ids: Sequence[int]) -> Callable[[], Any]:
         env = episode.env
         where = f"environment {self._env_name!r} ({type(env).__name__}).step"
         turn = episode.response_ids[episode.record.answer_start :]
-        if turn and turn[-1] in self.stop_token_ids:
+        if turn and turn[-1] in stop_ids:
             turn = turn[:-1]
         text = self.tokenizer.decode(turn, skip_special_tokens=False)
 

@@ -5,6 +5,7 @@ and reference forwards, training, evaluation, checkpoint save and resume."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,9 @@ def emulated_train(run_dir: Path, *overrides: str, nproc: int = 1) -> list[dict]
                f"--master-port={free_port()}", *args]  # fmt: skip
     else:
         cmd = [sys.executable, *args]
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    # tests/ for the environments of multi-turn runs (envs/scripted_envs.py)
+    path = f"{REPO}{os.pathsep}{REPO / 'tests'}"
+    env = {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     log = "".join(p.read_text() for p in run_dir.glob("train.rank*.log"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + log[-4000:]
@@ -70,3 +73,20 @@ def test_gspo_train_ep2_from_hugging_face_routing_replay(tmp_path):
     )  # fmt: skip
     records = read_metrics(run)
     assert len(records) == 3 and records[-1]["async/staleness_max"] == 1
+
+
+@pytest.mark.distributed
+def test_gspo_train_multi_turn_episodes_ep2(tmp_path):
+    """Two ranks with expert parallelism running episodes: every rank generates each turn,
+    rank 0 steps the environments and shares their answers, the observations' ids and the
+    masks reach the devices with the trajectories, R3 replays the last turn's routes."""
+    emulated_train(
+        tmp_path, "parallel=ep2", "env.name=envs.scripted_envs:TwoObservations",
+        "env.max_tokens=40", "model.tokenizer=char_tools", "model.vocab_size=80",
+        # a random policy ends a turn with <eos> in ~1 of 6 turns of 12 tokens
+        "rollout.max_new_tokens=12", "rollout.group_size=8",
+        "algorithm.routing_replay=r3", "trainer.steps=2", "trainer.eval_every=2", nproc=2,
+    )  # fmt: skip
+    records = read_metrics(tmp_path)
+    assert len(records) == 2 and all(r["env/turns_mean"] > 1 for r in records)
+    assert all(r["env/model_token_fraction"] < 1 for r in records)

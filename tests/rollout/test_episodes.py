@@ -219,7 +219,12 @@ class BadReset(Environment):
         return StepResult(done=True)
 
 
-@pytest.mark.parametrize("name", ["BadObservation", "BadReset"])
+class EmptyReset(BadReset):
+    def reset(self, prompt, label=None):
+        return []
+
+
+@pytest.mark.parametrize("name", ["BadObservation", "BadReset", "EmptyReset"])
 def test_contract_violation_names_the_class(name):
     with pytest.raises(EnvironmentContractError, match=name):
         runner(name).run(ScriptedEngine(5, stop_probability=1.0), prompts(2), 2, STOP)

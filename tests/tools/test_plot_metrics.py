@@ -24,6 +24,7 @@ def write_run(path, scale):
                         "actor/clip_fraction": 0.1,
                         "response/length_mean": 4.0,
                         "moe/route_change_fraction": 0.05,
+                        "env/tool_call_rate": step / 20,
                     }
                 )
                 + "\n"
@@ -41,7 +42,10 @@ def test_overlays_runs_into_pngs(tmp_path):
         == 0
     )
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["clip_fraction.png", "response_length.png", "reward.png", "route_change.png"]
+    assert names == [
+        "clip_fraction.png", "episodes.png", "response_length.png", "reward.png",
+        "route_change.png",
+    ]  # fmt: skip
     assert all((out / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
 
 

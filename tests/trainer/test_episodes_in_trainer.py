@@ -78,3 +78,31 @@ def test_env_metrics_and_failures_counted(composer, tokenizer):
         assert m["env/timeouts"] == 0
         assert m["reward/failed_fraction"] == m["env/failures"] / 16
     assert any(dict(m)["env/failures"] > 0 for _, m in fake.log.records)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_mismatch_weights_over_model_tokens(composer, tokenizer, level):
+    """Observations have no rollout log-prob (0 placeholders): the TIS weights and the
+    mismatch metrics come from the model's tokens only."""
+    import math
+
+    fake = run(
+        composer, tokenizer, "algorithm=grpo", "algorithm.mismatch=tis",
+        f"algorithm.mismatch_level={level}", "algorithm.mismatch_cap=1000",
+    )  # fmt: skip
+    checked = 0
+    for call in fake.journal.calls("train"):
+        for s in call.samples:
+            model = [m != 0 for m in s.loss_mask] if s.loss_mask is not None else None
+            if model is None or all(model):
+                continue
+            log_w = [o - r for o, r, m in zip(s.old_logprobs, s.rollout_logprobs, model,
+                                             strict=True) if m]  # fmt: skip
+            if level == "token":
+                got = [w for w, m in zip(s.is_weights, model, strict=True) if m]
+                assert got == pytest.approx([math.exp(x) for x in log_w], rel=1e-9)
+            else:
+                total = sum(log_w) / (len(log_w) if level == "geometric" else 1)
+                assert s.is_weights == pytest.approx(math.exp(total), rel=1e-9)
+            checked += 1
+    assert checked

@@ -486,8 +486,8 @@ def test_async_killed_and_resumed_records_every_step_once(tmp_path):
 
 
 MULTI_TURN = (
-    "env.name=envs.scripted_envs:TwoObservations", "env.max_turns=4", "env.max_tokens=30",
-    "model.tokenizer=char_tools", "model.vocab_size=80", "rollout.max_new_tokens=8",
+    "env.name=envs.scripted_envs:TwoObservations", "env.max_turns=4", "env.max_tokens=40",
+    "model.tokenizer=char_tools", "model.vocab_size=80", "rollout.max_new_tokens=16",
 )  # fmt: skip
 
 
@@ -536,4 +536,3 @@ def test_multi_turn_episodes_on_sglang(tmp_path):
     assert all(ids[ids.index(opening) - 1] == tokenizer.eos_token_id for ids in later)
     # ... whose request starts with the request of the turn before it
     assert all(any(ids[: len(p)] == p for p in flat if len(p) < len(ids)) for ids in later)
-
