@@ -653,6 +653,8 @@ class Trainer:
         self._replaced_handlers = {}
         self.log.close()
         self.scorer.close()
+        if self.episodes is not None:
+            self.episodes.close()
         self.rollout.close()
         for engine in (self.engine, self.reference):
             if engine is not None:

@@ -61,9 +61,11 @@ class EnvConfig:
     per episode). max_turns: model turns per episode. max_tokens: tokens after the initial
     context (model turns and observations); a turn or observation past it truncates the episode
     (finish reason "length"). timeout_s: limit of one reset or step call; executor: auto (inline
-    for environments that declare inline_safe, else thread) | inline (no timeout) | thread (each
-    call in a daemon thread of its own, abandoned past the timeout). A raising or hanging call
-    ends its episode with reward 0, counted in env/failures and env/timeouts.
+    for environments that declare inline_safe, else process) | inline (no timeout) | thread
+    (each call in a daemon thread of its own, abandoned past the timeout) | process (`workers`
+    worker processes, killed and replaced past the timeout; the environment travels pickled;
+    gspo_megatron/envs/calls.py). A raising or hanging call ends its episode with reward 0,
+    counted in env/failures and env/timeouts.
     on_tool_error: observe (a malformed or failing tool call gets an "error: ..." observation) |
     end (it ends the episode with reward 0).
     """
@@ -73,7 +75,8 @@ class EnvConfig:
     max_turns: int = bounded(4, ge=1)
     max_tokens: int = bounded(256, ge=1)
     timeout_s: float = bounded(10.0, gt=0)
-    executor: str = choice("auto", "inline", "thread")
+    executor: str = choice("auto", "inline", "thread", "process")
+    workers: int = bounded(4, ge=1)
     on_tool_error: str = choice("observe", "end")
 
     @property

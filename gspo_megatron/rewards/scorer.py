@@ -11,17 +11,13 @@ gives reward 0 and is counted; the run goes on. Where a call runs (`executor`):
 - `async` functions run on the scorer's own event loop (one background thread that lives as long
   as the scorer, so HTTP sessions are reused); a timeout cancels them.
 - `process` (default for plain functions): a pool of worker processes
-  (`python -m gspo_megatron.rewards._worker`). On timeout the worker is killed and replaced, so a
-  hung call costs exactly `timeout_s` and leaves nothing behind. Why processes, not threads:
-  Python cannot stop a thread, so a reward stuck in a loop (sympy simplification is the usual
-  culprit) would keep burning a core and holding the GIL for the rest of the run, and a thread
-  pool's threads are joined at interpreter exit, so one hung call also hangs shutdown.
-  math-verify also needs the main thread for its own SIGALRM timeouts, which a worker process
-  has. The workers are started with exec (not fork): forking a trainer that holds torch, gloo and
-  OpenMP threads is unsafe, and exec avoids re-importing the trainer's `__main__` (what the
-  `spawn` start method does, ~10 s with megatron). Cost: ~0.1 ms of IPC per call, one-off worker
-  start-up (not counted in the timeout), and the function must be picklable by reference
-  (defined at module level in an importable module).
+  (gspo_megatron/isolation: exec'd workers, killed and replaced on timeout, so a hung call costs
+  exactly `timeout_s` and leaves nothing behind). Why processes, not threads: Python cannot stop
+  a thread, so a reward stuck in a loop (sympy simplification is the usual culprit) would keep
+  burning a core and holding the GIL for the rest of the run, and a thread pool's threads are
+  joined at interpreter exit, so one hung call also hangs shutdown. math-verify also needs the
+  main thread for its own SIGALRM timeouts, which a worker process has. The function must be
+  picklable by reference (defined at module level in an importable module).
 - `thread`: a daemon thread per call, for functions that cannot be pickled. A timed-out call is
   abandoned (reward 0, counted); its thread may keep running, and `abandoned_threads` says how
   many do. Daemon threads never block exit.
@@ -36,10 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import pickle
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Sequence
@@ -47,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gspo_megatron.event_loop import LoopThread
-from gspo_megatron.rewards import _protocol
+from gspo_megatron.isolation import ProcessPool, WorkerStartError
 from gspo_megatron.rewards.base import (
     RewardError,
     RewardFn,
@@ -64,6 +58,10 @@ Status = Literal["ok", "error", "timeout"]
 EXECUTORS = ("auto", "inline", "thread", "process")
 
 _Outcome = tuple[Status, float, str | None]  # (status, reward, error message)
+_PROCESS_HINT = (
+    "(a process-executor reward must be importable by reference: define it at module level "
+    "outside __main__, or set reward.executor=thread)"
+)
 
 
 @dataclass
@@ -104,147 +102,6 @@ class RewardBatch:
             f"{prefix}timeouts": float(self.num_timeouts),
             f"{prefix}time_s": self.elapsed_s,
         }
-
-
-class _WorkerDied(Exception):
-    pass
-
-
-class _Worker:
-    """One reward worker process and its pipes."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, reaping: set[asyncio.Task]) -> None:
-        self.proc = proc
-        self._reaping = reaping
-
-    @classmethod
-    async def start(
-        cls, fn_bytes: bytes, startup_timeout_s: float, reaping: set[asyncio.Task]
-    ) -> _Worker:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        env.setdefault("OMP_NUM_THREADS", "1")  # a reward worker has no use for a thread pool
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "gspo_megatron.rewards._worker",
-            str(os.getpid()),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        worker = cls(proc, reaping)
-        try:
-            kind, message = await asyncio.wait_for(
-                worker._roundtrip((list(sys.path), fn_bytes)), startup_timeout_s
-            )
-        except (TimeoutError, _WorkerDied, asyncio.CancelledError) as exc:
-            worker.kill()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise RewardError(f"reward worker did not start: {exc or 'timed out'}") from None
-        if kind != "ready":
-            worker.kill()
-            raise RewardError(
-                f"{message} (a process-executor reward must be importable by reference: "
-                "define it at module level outside __main__, or set reward.executor=thread)"
-            )
-        return worker
-
-    async def _roundtrip(self, obj: Any) -> tuple[str, Any]:
-        stdin, stdout = self.proc.stdin, self.proc.stdout
-        assert stdin is not None and stdout is not None
-        try:
-            stdin.write(_protocol.encode(obj))
-            await stdin.drain()
-            header = await stdout.readexactly(_protocol.HEADER.size)
-            (size,) = _protocol.HEADER.unpack(header)
-            return pickle.loads(await stdout.readexactly(size))
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            code = await self.proc.wait()
-            raise _WorkerDied(f"reward worker exited with code {code}") from exc
-
-    async def call(self, prompt: str, response: str, label: Any) -> tuple[str, Any]:
-        return await self._roundtrip((prompt, response, label))
-
-    def kill(self) -> None:
-        """Kill the process and reap it in the background (the pool awaits that on close)."""
-        if self.proc.returncode is None:
-            self.proc.kill()
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()  # lets asyncio close the transport once the process is gone
-        task = asyncio.get_running_loop().create_task(self.proc.wait())
-        self._reaping.add(task)
-        task.add_done_callback(self._reaping.discard)
-
-
-class _ProcessPool:
-    """Up to `size` worker processes, started on demand; a timed-out worker is killed."""
-
-    def __init__(self, fn_bytes: bytes, size: int, startup_timeout_s: float) -> None:
-        self._fn_bytes = fn_bytes
-        self._startup_timeout_s = startup_timeout_s
-        self._slots = asyncio.Semaphore(size)
-        self._idle: list[_Worker] = []
-        self._busy: set[_Worker] = set()
-        self._reaping: set[asyncio.Task] = set()
-
-    def _start(self) -> Awaitable[_Worker]:
-        return _Worker.start(self._fn_bytes, self._startup_timeout_s, self._reaping)
-
-    async def warmup(self, n: int) -> None:
-        missing = max(0, n - len(self._idle))
-        starts = [self._start() for _ in range(missing)]
-        started = await asyncio.gather(*starts, return_exceptions=True)
-        self._idle.extend(w for w in started if isinstance(w, _Worker))
-        for result in started:
-            if isinstance(result, BaseException):
-                raise result
-
-    async def call(self, prompt: str, response: str, label: Any, timeout_s: float) -> _Outcome:
-        async with self._slots:
-            worker = self._idle.pop() if self._idle else None
-            if worker is None or worker.proc.returncode is not None:
-                try:
-                    worker = await self._start()
-                except RewardError as exc:
-                    return "error", 0.0, str(exc)
-            self._busy.add(worker)
-            try:
-                kind, value = await asyncio.wait_for(
-                    worker.call(prompt, response, label), timeout_s
-                )
-            except TimeoutError:
-                worker.kill()
-                return "timeout", 0.0, f"timed out after {timeout_s:g} s (worker killed)"
-            except _WorkerDied as exc:
-                return "error", 0.0, str(exc)
-            except BaseException:
-                worker.kill()
-                raise
-            finally:
-                self._busy.discard(worker)
-            self._idle.append(worker)
-        if kind != "ok":
-            return "error", 0.0, str(value)
-        try:
-            return "ok", as_reward(value), None
-        except RewardError as exc:
-            return "error", 0.0, str(exc)
-
-    async def close(self) -> None:
-        workers = self._idle + list(self._busy)
-        self._idle, self._busy = [], set()
-        for worker in workers:
-            if worker.proc.stdin is not None and worker.proc.returncode is None:
-                worker.proc.stdin.close()  # EOF: an idle worker exits by itself
-        for worker in workers:
-            try:
-                await asyncio.wait_for(worker.proc.wait(), 1.0)
-            except TimeoutError:
-                worker.kill()
-        if self._reaping:
-            await asyncio.wait(list(self._reaping), timeout=5.0)
 
 
 def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
@@ -297,7 +154,7 @@ class RewardScorer:
         self._fn_bytes = pickle.dumps(fn) if self.executor == "process" else b""
         self._startup_timeout_s = startup_timeout_s
         self._loop: LoopThread | None = None
-        self._pool: _ProcessPool | None = None
+        self._pool: ProcessPool | None = None
         self._abandoned: set[threading.Thread] = set()
         self._closed = False
 
@@ -380,7 +237,10 @@ class RewardScorer:
         """Start the worker processes now (they otherwise start on first use)."""
         if self.executor == "process":
             loop = self._ensure_loop()
-            loop.submit(self._get_pool().warmup(self.max_concurrency)).result()
+            try:
+                loop.submit(self._get_pool().warmup(self.max_concurrency)).result()
+            except WorkerStartError as exc:
+                raise RewardError(f"reward worker: {exc}") from None
 
     @property
     def abandoned_threads(self) -> int:
@@ -431,9 +291,11 @@ class RewardScorer:
             self._loop = LoopThread("reward-loop")
         return self._loop
 
-    def _get_pool(self) -> _ProcessPool:
+    def _get_pool(self) -> ProcessPool:
         if self._pool is None:  # created on the loop thread's first use
-            self._pool = _ProcessPool(self._fn_bytes, self.max_concurrency, self._startup_timeout_s)
+            self._pool = ProcessPool(
+                self._fn_bytes, self.max_concurrency, self._startup_timeout_s, _PROCESS_HINT
+            )
         return self._pool
 
     def _call_inline(self, i: int, prompt: str, response: str, label: Any) -> _Outcome:
@@ -456,7 +318,15 @@ class RewardScorer:
 
     async def _call_one(self, i: int, prompt: str, response: str, label: Any) -> _Outcome:
         if self.executor == "process":
-            return await self._get_pool().call(prompt, response, label, self.timeout_s)
+            status, value, error = await self._get_pool().call(
+                (prompt, response, label), self.timeout_s
+            )
+            if status != "ok":
+                return status, 0.0, error
+            try:
+                return "ok", as_reward(value), None
+            except RewardError as exc:
+                return "error", 0.0, str(exc)
         try:
             if self.executor == "async":
                 value = await asyncio.wait_for(self.fn(prompt, response, label), self.timeout_s)

@@ -23,15 +23,17 @@ always the model's, so the routes of the last request cover everything).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gspo_megatron.envs.base import (
-    Environment,
     EnvironmentContractError,
+    StepResult,
     check_observation,
     check_step_result,
 )
@@ -39,6 +41,8 @@ from gspo_megatron.envs.calls import CallOutcome, EnvCalls
 from gspo_megatron.envs.chat import ChatFormat
 from gspo_megatron.envs.registry import environment_class
 from gspo_megatron.rollout.engine import EpisodeRecord, RolloutSample, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from gspo_megatron.data.dataset import Prompt
@@ -50,7 +54,7 @@ if TYPE_CHECKING:
 @dataclass
 class _Episode:
     prompt_ids: list[int]
-    env: Environment | None = None  # on rank 0
+    env: Any = None  # on rank 0: the environment (pickled with env.executor=process)
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -111,14 +115,21 @@ class EpisodeRunner:
         self.tokenizer = tokenizer
         self.chat = ChatFormat(tokenizer)
         self.max_sequence_length = max_sequence_length
-        cls, kwargs = environment_class(cfg.name), dict(cfg.kwargs)
-        self._new_env = lambda: cls(**kwargs)
+        cls = environment_class(cfg.name)
         self._env_name = cfg.name
         executor = cfg.executor
         if executor == "auto":
-            executor = "inline" if cls.inline_safe else "thread"
-        self.calls = EnvCalls(executor, cfg.timeout_s) if ranks.rank == 0 else None
+            executor = "inline" if cls.inline_safe else _process_or_thread(cls)
+        factory = (cls, dict(cfg.kwargs))
+        self.calls = None
+        if ranks.rank == 0:
+            self.calls = EnvCalls(executor, cfg.timeout_s, factory, workers=cfg.workers)
         self._env_time_s = 0.0  # rank 0's time in environment calls
+
+    def close(self) -> None:
+        """Stop the environments' worker processes."""
+        if self.calls is not None:
+            self.calls.close()
 
     def take_env_time(self) -> float:
         """Seconds rank 0 spent in environment calls since the last call of this."""
@@ -159,81 +170,95 @@ class EpisodeRunner:
     # -- environment calls (rank 0), shared with every rank ---------------------------------
 
     def _reset(self, prompts: Sequence[Prompt]) -> list[_Episode]:
-        answers = None
-        envs: list[Environment | None] = [None] * len(prompts)
-        if self.ranks.rank == 0:
-            started = time.perf_counter()
-            built = self.calls.run([self._new_env for _ in prompts])
-            envs = [o.value if o.status == "ok" else None for o in built]
-            resets = self.calls.run(
-                [self._reset_call(env, p) for env, p in zip(envs, prompts, strict=True)]
-            )
-            answers = [
-                _failed(b) if b.status != "ok" else _failed(r) if r.status != "ok" else r.value
-                for b, r in zip(built, resets, strict=True)
-            ]
-            self._env_time_s += time.perf_counter() - started
-        answers = self.ranks.broadcast(answers)
+        """Build and reset one environment per episode (rank 0); every rank gets the initial
+        contexts."""
+        envs: list[Any] = [None] * len(prompts)
+
+        def answer() -> list:
+            outcomes = self.calls.run([(None, "reset", (p.prompt, p.label)) for p in prompts])
+            out = []
+            for i, outcome in enumerate(outcomes):
+                if outcome.status != "ok":
+                    out.append(_failed(outcome))
+                    continue
+                envs[i], context = outcome.value
+                out.append(self._context_ids(context))
+            return out
+
         episodes = []
-        for p, env, answer in zip(prompts, envs, answers, strict=True):
-            if isinstance(answer, EpisodeRecord):  # the environment failed
-                e = _Episode(list(p.prompt_ids), finish="abort", record=answer)
+        for p, env, context in zip(prompts, envs, self._on_rank0(answer), strict=True):
+            if isinstance(context, EpisodeRecord):  # the environment failed
+                episodes.append(_Episode(list(p.prompt_ids), finish="abort", record=context))
             else:
-                e = _Episode(list(p.prompt_ids) if answer is None else answer, env=env)
-            episodes.append(e)
+                ids = list(p.prompt_ids) if context is None else context
+                episodes.append(_Episode(ids, env=env))
         return episodes
 
-    def _reset_call(self, env: Environment | None, prompt: Prompt) -> Callable[[], Any]:
-        where = f"environment {self._env_name!r} ({type(env).__name__}).reset"
-
-        def call() -> list[int] | None:
-            if env is None:
-                raise RuntimeError("the environment could not be built")
-            context = env.reset(prompt.prompt, prompt.label)
-            check_observation(context, where, messages=False)
-            if context is None:
-                return None
-            ids = self.chat.user_ids(context) if isinstance(context, str) else list(context)
-            if not ids:
-                raise EnvironmentContractError(f"{where} returned an empty initial context")
-            return ids
-
-        return call
+    def _context_ids(self, context: Any) -> list[int] | None:
+        where = f"environment {self._env_name!r}.reset"
+        check_observation(context, where, messages=False)
+        if context is None:
+            return None
+        ids = self.chat.user_ids(context) if isinstance(context, str) else list(context)
+        if not ids:
+            raise EnvironmentContractError(f"{where} returned an empty initial context")
+        return ids
 
     def _step(self, episodes: Sequence[_Episode], stop_ids: Sequence[int]) -> list[Any]:
         """Per episode: (observation ids, StepResult) or an EpisodeRecord of the failure."""
-        answers = None
-        if self.ranks.rank == 0:
-            started = time.perf_counter()
-            outcomes = self.calls.run([self._step_call(e, stop_ids) for e in episodes])
-            answers = [o.value if o.status == "ok" else _failed(o) for o in outcomes]
-            self._env_time_s += time.perf_counter() - started
-        return self.ranks.broadcast(answers)
 
-    def _step_call(self, episode: _Episode, stop_ids: Sequence[int]) -> Callable[[], Any]:
-        env = episode.env
-        where = f"environment {self._env_name!r} ({type(env).__name__}).step"
+        def answer() -> list:
+            texts = [self._turn_text(e, stop_ids) for e in episodes]
+            calls = [(e.env, "step", (text,)) for e, text in zip(episodes, texts, strict=True)]
+            out = []
+            for e, outcome in zip(episodes, self.calls.run(calls), strict=True):
+                if outcome.status != "ok":
+                    out.append(_failed(outcome))
+                    continue
+                e.env, result = outcome.value
+                out.append(self._observation_ids(result))
+            return out
+
+        return self._on_rank0(answer)
+
+    def _turn_text(self, episode: _Episode, stop_ids: Sequence[int]) -> str:
         turn = episode.response_ids[episode.record.answer_start :]
         if turn and turn[-1] in stop_ids:
             turn = turn[:-1]
-        text = self.tokenizer.decode(turn, skip_special_tokens=False)
+        return self.tokenizer.decode(turn, skip_special_tokens=False)
 
-        def call():
-            result = check_step_result(env.step(text), where)
-            if not math.isfinite(float(result.reward)):
-                raise ValueError(f"{where} returned a non-finite reward {result.reward!r}")
-            observation = result.observation
-            if observation is None or result.done:
-                ids = []
-            elif isinstance(observation, str):
-                ids = self.chat.message_ids([observation], result.role)
-            elif observation and isinstance(observation[0], str):
-                ids = self.chat.message_ids(list(observation), result.role)
-            else:
-                ids = list(observation)
-            return ids, dataclasses.replace(result, observation=None)
+    def _observation_ids(self, result: Any) -> tuple[list[int], StepResult] | EpisodeRecord:
+        where = f"environment {self._env_name!r}.step"
+        result = check_step_result(result, where)
+        if not math.isfinite(float(result.reward)):
+            logger.warning("%s returned a non-finite reward %r", where, result.reward)
+            return EpisodeRecord(failure="error")
+        observation = result.observation
+        if observation is None or result.done:
+            ids = []
+        elif isinstance(observation, str):
+            ids = self.chat.message_ids([observation], result.role)
+        elif observation and isinstance(observation[0], str):
+            ids = self.chat.message_ids(list(observation), result.role)
+        else:
+            ids = list(observation)
+        return ids, dataclasses.replace(result, observation=None)
 
-        return call
+    def _on_rank0(self, compute: Callable[[], list]) -> list:
+        """`compute()` on rank 0 (it calls the environments), shared with every rank; a broken
+        environment contract stops every rank with rank 0's message."""
+        answers = None
+        if self.ranks.rank == 0:
+            started = time.perf_counter()
+            try:
+                answers = compute()
+            except EnvironmentContractError as e:
+                answers = e
+            self._env_time_s += time.perf_counter() - started
+        answers = self.ranks.broadcast(answers)
+        if isinstance(answers, EnvironmentContractError):
+            raise answers
+        return answers
 
     def _apply(self, e: _Episode, answer: Any, last_turn: bool) -> None:
         if isinstance(answer, EpisodeRecord):
@@ -257,6 +282,19 @@ class EpisodeRunner:
             record.truncated_observation, e.finish = True, "length"
         else:
             e.add_observation(ids)
+
+
+def _process_or_thread(cls: type) -> str:
+    """Worker processes when the class can reach them (importable by reference), else threads."""
+    try:
+        pickle.loads(pickle.dumps(cls))
+    except Exception as e:  # noqa: BLE001 - any reason it cannot travel
+        logger.warning(
+            "environment %s cannot run in worker processes (%s); env.executor=thread "
+            "(a hung call is abandoned, not killed)", cls.__qualname__, e,
+        )  # fmt: skip
+        return "thread"
+    return "process"
 
 
 def _failed(outcome: CallOutcome) -> EpisodeRecord:

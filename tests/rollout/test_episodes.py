@@ -179,27 +179,53 @@ class Raises(Environment):
 
 class Hangs(Environment):
     release = threading.Event()
+    wait_s = 120.0
 
     def step(self, turn):
         if "3" in turn:
-            self.release.wait(30)
+            self.release.wait(self.wait_s)
         return StepResult(done=True)
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
 @pytest.mark.parametrize(("name", "failure"), [("Raises", "error"), ("Hangs", "timeout")])
-def test_failing_environment_ends_only_its_episode(name, failure):
+def test_failing_environment_ends_only_its_episode(name, failure, executor):
     engine = ScriptedEngine(4, stop_probability=1.0)
     Hangs.release = threading.Event()
+    episodes = runner(name, timeout_s=1.0, executor=executor, workers=2)
     started = time.monotonic()
-    groups = runner(name, timeout_s=0.3, executor="thread").run(engine, prompts(4), 4, STOP)
-    assert time.monotonic() - started < 5
+    groups = episodes.run(engine, prompts(4), 2, STOP)
+    # far less than a hung call would take: it was abandoned (thread) or killed (process)
+    assert time.monotonic() - started < Hangs.wait_s / 2
     Hangs.release.set()
+    episodes.close()
     samples = [s for g in groups for s in g]
     failed = [s for s in samples if s.episode.failure == failure]
     assert failed and len(failed) < len(samples)
     assert all("3" in TOKENIZER.decode(s.response_ids) for s in failed)
     assert all(s.episode.failure is None and s.finish_reason == "stop"
                for s in samples if s not in failed)  # fmt: skip
+
+
+class Counts(Environment):
+    """Observes its own turn count until the third turn: state that must survive each call."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def step(self, turn):
+        self.turns += 1
+        return StepResult(observation=[5] * self.turns, done=self.turns == 3)
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread", "process"])
+def test_environment_state_lives_through_the_episode(executor):
+    episodes = runner("Counts", executor=executor, workers=2)
+    groups = episodes.run(ScriptedEngine(7, stop_probability=1.0), prompts(2), 3, STOP)
+    episodes.close()
+    for s in (s for g in groups for s in g):
+        observed = [t for t, m in zip(s.response_ids, s.loss_mask, strict=True) if m == 0]
+        assert observed == [5, 5, 5] and s.episode.turns == 3 and s.finish_reason == "stop"
 
 
 class BadObservation(Environment):

@@ -43,17 +43,20 @@ def resolved(*overrides: str):
         (["env=calculator", "rollout.mode=one_step_off"],
          "env.name=calculator with rollout.mode=one_step_off"),
         (["env.name=nope"], "unknown env.name='nope'"),
-        (["env=retrieval", "env.kwargs.depth=3"],
-         "env.kwargs do not fit environment 'retrieval'"),
     ],
     ids=["coef-without-type", "type-without-coef", "dense", "sinkhorn", "moved-key",
          "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget",
-         "env-async", "env-one-step-off", "env-unknown", "env-kwargs"],
+         "env-async", "env-one-step-off", "env-unknown"],
 )  # fmt: skip
 def test_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
         resolved(*overrides)
     assert message in str(err.value)
+
+
+def test_environment_kwargs_checked_against_the_class():
+    with pytest.raises(ConfigError, match="env.kwargs do not fit environment 'retrieval'"):
+        resolve(compose(["env=retrieval", "+env.kwargs.depth=3"]), 1)
 
 
 def test_moe_aux_loss_choices_resolve():

@@ -1,4 +1,4 @@
-"""Framing between `RewardScorer` and its worker processes: 8-byte big-endian length + pickle."""
+"""Framing between a `ProcessPool` and its worker processes: 8-byte big-endian length + pickle."""
 
 from __future__ import annotations
 

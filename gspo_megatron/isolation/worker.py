@@ -1,16 +1,17 @@
-"""A reward worker process: `python -m gspo_megatron.rewards._worker PARENT_PID`.
+"""A worker process: `python -m gspo_megatron.isolation.worker PARENT_PID`.
 
-Started by `RewardScorer` with `executor="process"`. Protocol over stdin/stdout, each message a
-frame of an 8-byte big-endian length followed by a pickle:
+Started by a `ProcessPool` (rewards with reward.executor=process, environments with
+env.executor=process). Protocol over stdin/stdout, each message a frame of an 8-byte
+big-endian length followed by a pickle:
 
-    parent -> worker  first: (sys_path, pickled reward function); then: (prompt, response, label)
+    parent -> worker  first: (sys_path, pickled function); then per call: its arguments (a tuple)
     worker -> parent  first: ("ready", None) or ("init_error", message);
                       then per call: ("ok", value) or ("error", message)
 
 The worker runs each call in its main thread, so libraries that time themselves out with
-SIGALRM (math-verify does) work. Anything the reward prints goes to stderr, never into the
-protocol stream. The worker dies with its parent (Linux PR_SET_PDEATHSIG), so a reward stuck in
-a loop never outlives the run.
+SIGALRM (math-verify does) work. Anything the function prints goes to stderr, never into the
+protocol stream. The worker dies with its parent (Linux PR_SET_PDEATHSIG), so a call stuck in a
+loop never outlives the run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pickle
 import sys
 import traceback
 
-from gspo_megatron.rewards._protocol import read_frame, write_frame
+from gspo_megatron.isolation.protocol import read_frame, write_frame
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -40,7 +41,7 @@ def _send_result(out, value) -> None:
     try:
         write_frame(out, ("ok", value))
     except Exception as exc:  # an unpicklable return value
-        write_frame(out, ("error", f"cannot send reward value {type(value).__name__}: {exc}"))
+        write_frame(out, ("error", f"cannot send the value {type(value).__name__}: {exc}"))
 
 
 def main() -> None:
@@ -50,7 +51,7 @@ def main() -> None:
     _die_with_parent(int(sys.argv[1]))
     inp = sys.stdin.buffer
     out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # the reward's prints go to stderr, not into the protocol
+    os.dup2(2, 1)  # the function's prints go to stderr, not into the protocol
     sys.stdout = sys.stderr
 
     frame = read_frame(inp)
@@ -61,14 +62,13 @@ def main() -> None:
         sys.path[:] = sys_path
         fn = pickle.loads(fn_bytes)
     except BaseException as exc:
-        write_frame(out, ("init_error", f"cannot load the reward function: {exc!r}"))
+        write_frame(out, ("init_error", f"cannot load the function: {exc!r}"))
         return
     write_frame(out, ("ready", None))
 
     while (frame := read_frame(inp)) is not None:
         try:
-            prompt, response, label = pickle.loads(frame)
-            value = fn(prompt, response, label)
+            value = fn(*pickle.loads(frame))
         except BaseException as exc:
             tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
             write_frame(out, ("error", tb))
