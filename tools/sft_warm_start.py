@@ -23,7 +23,7 @@ from pathlib import Path
 
 class ScriptedTurns:
     """A rollout driver that "samples" the demonstrations' turns: each episode's next scripted
-    turn (ending with the stop token), found by its initial context."""
+    turn (ending with the stop token), found by its initial context (distinct per episode)."""
 
     def __init__(self, scripts: dict[tuple[int, ...], list[list[int]]], stop_id: int) -> None:
         self.scripts = scripts
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=(stop,))
     loss = LossSettings("dapo", {"clip_low": 1e9, "clip_high": 1e9})
     for step in range(1, args.steps + 1):
-        prompts = rng.sample(list(train_data.prompts), cfg.rollout.prompts_per_step)
+        drawn = rng.sample(list(train_data.prompts), cfg.rollout.prompts_per_step)
+        # an episode's turns are found by its prompt: one episode per distinct prompt
+        prompts = list({tuple(p.prompt_ids): p for p in drawn}.values())
         scripts = {}
         for p in prompts:
             turns = env.demonstration(p.prompt, p.label, rng)
