@@ -99,25 +99,24 @@ class CalculatorEnv(ToolEnvironment):
     inline_safe = True
     tools: ClassVar = {"calculator": calculate}
 
-    # Each operand digit of a demonstrated call is wrong with this probability.
-    demonstration_digit_error: ClassVar[float] = 0.5
+    # A demonstrated call writes each operand digit one too high with this probability.
+    demonstration_slip: ClassVar[float] = 0.6
 
     @classmethod
     def demonstration(cls, prompt: str, label: Any, rng: random.Random) -> list[str]:
-        """A noisy demonstrator: half of the time it calls the calculator, copying each digit
-        of the prompt's operands wrongly with probability `demonstration_digit_error`, and
-        answers with the result; otherwise it answers a random number of the right size. A
-        policy warm-started on it knows how to call the tool and read its answer, and solves
-        almost nothing (0.5^7 of the calls are right): RL has to make it exact."""
+        """A sloppy demonstrator: half of the time it calls the calculator on the prompt's
+        operands, writing each digit one too high (9 -> 0) with probability
+        `demonstration_slip`, and answers with the result; otherwise it answers a random number
+        of the answer's size. A policy warm-started on it knows how to call the tool and to read
+        its answer, and has the demonstrator's habit: its most likely call is wrong, so it
+        solves almost nothing, greedy or sampled. RL has to make it copy the operands exactly."""
         operands = prompt.rstrip("=").split("+")
         if rng.random() < 0.5:
-            noisy = [
-                "".join(
-                    rng.choice("0123456789") if rng.random() < cls.demonstration_digit_error else d
-                    for d in operand
-                )
+            expression = "+".join(
+                "".join(str((int(d) + 1) % 10) if rng.random() < cls.demonstration_slip else d
+                        for d in operand)
                 for operand in operands
-            ]
-            expression = "+".join(noisy)
+            )  # fmt: skip
             return [tool_call(expression), calculate(expression)]
-        return [str(rng.randrange(10 ** (len(str(label)) - 1), 10 ** len(str(label))))]
+        size = len(str(label))
+        return [str(rng.randrange(10 ** (size - 1), 10**size))]
