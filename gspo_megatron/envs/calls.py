@@ -9,7 +9,7 @@ environment (it holds the episode's state) and the method's result. Where calls 
   pure-Python work).
 - `thread`: every call of a turn in a daemon thread of its own, all started together and waited
   for until `timeout_s` after the start. Python cannot stop a thread: a call still running then
-  is abandoned (`abandoned` counts them) and may keep a core busy.
+  is abandoned (counted in env/timeouts) and may keep a core busy.
 - `process` (default for classes that are not inline_safe): a pool of `env.workers` worker
   processes (gspo_megatron/isolation, as reward.executor=process). The environment travels
   pickled with each call, so its state must pickle and its class be importable by reference; a
@@ -71,7 +71,6 @@ class EnvCalls:
         self.timeout_s = timeout_s
         self.factory = factory
         self.workers = workers
-        self.abandoned = 0
         self._loop: LoopThread | None = None
         self._pool: ProcessPool | None = None
 
@@ -114,7 +113,6 @@ class EnvCalls:
         done = []
         for t, outcome in zip(threads, outcomes, strict=True):
             if t.is_alive() or outcome is None:
-                self.abandoned += 1
                 outcome = CallOutcome("timeout", error=f"no answer within {self.timeout_s:g} s")
             done.append(outcome)
         return done
