@@ -250,6 +250,19 @@ SGLANG_FAULTS = [
 ]
 
 
+def _train_on(server, tmp_path: Path, *overrides: str) -> list[dict]:
+    """gspo-train (run directory tmp_path/run) on the stand-in `server` with SGLANG_FAULTS and
+    disk weight sync; the server's request log. The server is stopped either way."""
+    try:
+        train(
+            tmp_path / "run", *overrides, *SGLANG_FAULTS, f"+rollout.sglang.urls=[{server.url}]",
+            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
+        )  # fmt: skip
+        return server.log()
+    finally:
+        server.stop()
+
+
 def _safetensors_sums(directory: Path) -> dict[str, dict]:
     """{name: shape, dtype, sha256} of a safetensors directory, as the stand-in reports them."""
     from safetensors.torch import load_file
@@ -428,17 +441,11 @@ def test_sglang_async_rollouts_through_gspo_train(tmp_path):
     server = fake.start_fake_server(
         routed_experts=False, vocab_size=48, extra_args=["--token-delay-s", "0.03"]
     )
-    try:
-        train(
-            tmp_path / "run", "trainer.steps=4", "trainer.eval_every=4", "rollout.mode=async",
-            "rollout.max_staleness=2", "rollout.partial_rollout_mask=true",
-            "rollout.max_new_tokens=32", *SGLANG_FAULTS,
-            f"+rollout.sglang.urls=[{server.url}]",
-            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
-        )  # fmt: skip
-        log = server.log()
-    finally:
-        server.stop()
+    log = _train_on(
+        server, tmp_path, "trainer.steps=4", "trainer.eval_every=4", "rollout.mode=async",
+        "rollout.max_staleness=2", "rollout.partial_rollout_mask=true",
+        "rollout.max_new_tokens=32",
+    )  # fmt: skip
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["async/staleness_max"] <= 2 and r["async/dropped_samples"] == 0 for r in records)
@@ -514,15 +521,7 @@ def test_multi_turn_episodes_on_sglang(tmp_path):
     whole trajectory as input_ids; the observations' tokens are in the next request's input."""
     fake = _sglang_stand_in()
     server = fake.start_fake_server(routed_experts=False, vocab_size=80)
-    try:
-        train(
-            tmp_path / "run", *MULTI_TURN, "trainer.steps=2", "trainer.eval_every=0",
-            "rollout=sglang", *SGLANG_FAULTS, f"+rollout.sglang.urls=[{server.url}]",
-            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
-        )  # fmt: skip
-        log = server.log()
-    finally:
-        server.stop()
+    log = _train_on(server, tmp_path, *MULTI_TURN, "trainer.steps=2", "trainer.eval_every=0")
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["env/turns_mean"] > 1 for r in records)
