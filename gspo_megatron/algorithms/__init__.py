@@ -1,8 +1,18 @@
 """The GSPO family in pure PyTorch (no Megatron import): policy losses as per-item terms over a
 global denominator, group advantages, KL estimators, train/rollout mismatch corrections, DAPO /
-DUPO batch pieces and metrics. See docs/ALGORITHMS.md for the formulas and defaults."""
+DUPO batch pieces, PPO's critic side (GAE, value loss) and metrics. See docs/ALGORITHMS.md for
+the formulas and defaults."""
 
 from .advantages import ADVANTAGE_ESTIMATORS, group_advantages, token_advantages
+from .gae import (
+    ValueLossTerms,
+    explained_variance,
+    explained_variance_from_sums,
+    gae,
+    masked_whiten,
+    token_rewards,
+    value_loss_terms,
+)
 from .kl import KL_ESTIMATORS, kl_estimate
 from .losses import (
     LOG_RATIO_CLAMP,
@@ -36,15 +46,20 @@ __all__ = [
     "LossTerms",
     "MismatchCorrection",
     "PolicyLossSpec",
+    "ValueLossTerms",
     "correct_mismatch",
     "dapo_keep_indices",
     "denominator_count",
     "dupo_fill_indices",
+    "explained_variance",
+    "explained_variance_from_sums",
     "finalize_metrics",
+    "gae",
     "get_policy_loss",
     "group_advantages",
     "informative_groups",
     "kl_estimate",
+    "masked_whiten",
     "merge_metric_sums",
     "metric_reduce_op",
     "mismatch_support",
@@ -57,4 +72,6 @@ __all__ = [
     "soft_overlong_penalty",
     "sum_loss_terms",
     "token_advantages",
+    "token_rewards",
+    "value_loss_terms",
 ]

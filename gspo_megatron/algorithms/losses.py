@@ -345,6 +345,7 @@ POLICY_LOSSES: Mapping[str, PolicyLossSpec] = MappingProxyType(
             "gspo_token", "seq_mean", {"clip_low": 3e-4, "clip_high": 4e-4}, _gspo_token_terms,
             _gspo_token_partials, ratio_level="sequence",
         ),
+        "ppo": _spec("ppo", "token", dict(_PPO), _ppo_terms),
         "grpo": _spec("grpo", "seq_mean", dict(_PPO), _ppo_terms),
         "dapo": _spec("dapo", "token", _PPO | {"clip_high": 0.28}, _ppo_terms),
         "dr_grpo": _spec(

@@ -147,10 +147,10 @@ def reference_loss(name, lp, o, A, m, hp, *, ref=None, kl_coef=0.0, kl_est="k3",
                 total = total + seq_total / n + kl_coef * kl_sum / n
             elif name == "dr_grpo":
                 total = total + (seq_total + kl_coef * kl_sum) / defaults["max_response_length"]
-            else:  # dapo, cispo: token sums
+            else:  # ppo, dapo, cispo: token sums
                 total = total + seq_total + kl_coef * kl_sum
         clipped_seqs += int(seq_clipped)
-    denominator = n_tok if name in ("dapo", "cispo") else n_seq
+    denominator = n_tok if name in ("ppo", "dapo", "cispo") else n_seq
     return total / max(denominator, 1), clipped_tokens, clipped_seqs
 
 
@@ -168,6 +168,7 @@ CASES += [
     ("gspo_token", {"clip_low": 0.05, "clip_high": 0.08}, False),
     ("gmpo", {"clip_low": 0.1, "clip_high": 0.15}, False),
     ("grpo", {"clip_c": 1.3}, False),
+    ("ppo", {"clip_c": 3.0}, True),
     ("dapo", {"clip_c": 1.3}, True),
     ("dr_grpo", {"clip_c": 1.3, "clip_low": 0.1}, False),
     ("sapo", {"tau_pos": 0.5, "tau_neg": 2.0}, True),
@@ -276,7 +277,9 @@ def test_on_policy_gradient_is_the_policy_gradient(name):
         "tokens": -A_bt / n_tok,
         "constant": -A_bt / LMAX / n_seq,
     }
-    kind = {"dapo": "tokens", "cispo": "tokens", "dr_grpo": "constant"}.get(name, "sequences_mean")
+    kind = {"ppo": "tokens", "dapo": "tokens", "cispo": "tokens", "dr_grpo": "constant"}.get(
+        name, "sequences_mean"
+    )
     torch.testing.assert_close(grad, expected[kind], rtol=1e-12, atol=1e-15)
 
 
@@ -448,7 +451,7 @@ def test_extreme_log_ratios_give_finite_loss_and_gradient(name, dtype):
     o[5] -= 60.0
     lp = lp.detach().to(dtype).requires_grad_()
     kw = {"ref_logprobs": (lp.detach() + 50.0).to(dtype), "kl_coef": 0.1}
-    for clip_c in [None, 3.0] if name in ("grpo", "dapo", "dr_grpo") else [None]:
+    for clip_c in [None, 3.0] if name in ("ppo", "grpo", "dapo", "dr_grpo") else [None]:
         hp = base_hparams(name) | ({"clip_c": clip_c} if clip_c else {})
         loss, _ = policy_loss(name, lp, o.to(dtype), A.to(dtype), m, **hp, **kw)
         (grad,) = torch.autograd.grad(loss, lp)
@@ -484,7 +487,7 @@ def test_denominator_kinds_and_pre_forward_counts():
     assert kinds == {
         "gspo": "sequences", "gspo_token": "sequences", "grpo": "sequences",
         "dr_grpo": "sequences", "sapo": "sequences", "gmpo": "sequences",
-        "dapo": "tokens", "cispo": "tokens",
+        "ppo": "tokens", "dapo": "tokens", "cispo": "tokens",
     }  # fmt: skip
     lp, o, A, m = make_batch(13)
     for name in ALL_LOSSES:
@@ -503,7 +506,7 @@ def _bad_inputs():
     inf_o[1, 0] = float("inf")
     ok = (lp, o, A, m)
     return [
-        ("name", ("ppo", *ok), {}),
+        ("name", ("trpo", *ok), {}),
         ("name", (None, *ok), {}),
         ("old_logprobs", ("grpo", lp, o[:, :-1], A, m), {}),
         ("response_mask", ("grpo", lp, o, A, m[:-1]), {}),
