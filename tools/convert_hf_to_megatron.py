@@ -4,7 +4,8 @@
         [--dtype bf16] [--verify] [--overwrite]
 
 The checkpoint loads on any TP/PP/EP/ETP/CP/DP layout (training: model.init_from=DIR; scoring:
-gspo-logprobs --checkpoint DIR). See docs/CHECKPOINTS.md.
+gspo-logprobs --checkpoint DIR). A *ForSequenceClassification directory with one label converts
+as a value / reward model (its score.weight becomes the value head). See docs/CHECKPOINTS.md.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="compare log-probs of transformers and megatron on random tokens "
-        "(loads both models: needs memory for two copies)",
+        help="compare log-probs (value models: values) of transformers and megatron on "
+        "random tokens (loads both models: needs memory for two copies)",
     )
     parser.add_argument("--verify-tol", type=float, default=VERIFY_TOL)
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)

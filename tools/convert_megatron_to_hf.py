@@ -1,6 +1,8 @@
 """Convert a megatron torch_dist checkpoint (converted, or saved by training on any layout) into
 a Hugging Face directory: safetensors shards with per-expert names, the index, config.json and
-tokenizer files — loadable by transformers and SGLang.
+tokenizer files — loadable by transformers and SGLang. A checkpoint with a value head
+(output_layer.weight [1, hidden]: a critic or reward model) is written as
+*ForSequenceClassification with one label.
 
     python tools/convert_megatron_to_hf.py --megatron-path ckpt/step_100 --output hf/step_100 \
         [--tokenizer Qwen3-30B-A3B-Base] [--dtype bf16] [--verify] [--overwrite]
@@ -36,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--verify",
         action="store_true",
-        help="compare log-probs of transformers and megatron on random tokens",
+        help="compare log-probs (value models: values) of transformers and megatron on "
+        "random tokens",
     )
     parser.add_argument("--verify-tol", type=float, default=VERIFY_TOL)
     parser.add_argument("--max-shard-size-gb", type=float, default=5.0)

@@ -27,10 +27,13 @@ def load_hf_weights(engine, hf_dir: str | Path) -> None:
 
 def load_engine_weights(engine, path: str | Path) -> dict:
     """Initial weights from an HF directory or a megatron checkpoint (converted or saved by
-    training, any layout, either layer spec) into a TrainingEngine; returns the checkpoint's
-    metadata. Collective for megatron checkpoints."""
+    training, any layout, either layer spec) into a TrainingEngine (a value model's from a
+    value model's checkpoint); returns the checkpoint's metadata. Collective for megatron
+    checkpoints."""
     from gspo_megatron.checkpoint.loading import load_weights
 
-    meta = load_weights(engine.unwrapped_chunks, engine.model_config, path)
+    meta = load_weights(
+        engine.unwrapped_chunks, engine.model_config, path, value_head=engine.value_head
+    )
     engine.optimizer.reload_model_params()
     return meta

@@ -8,6 +8,12 @@ safetensors shards with per-expert names, `model.safetensors.index.json`, `confi
 the tokenizer files. Both read and write one unit at a time (one layer's attention, one
 expert), so resident memory stays near the largest single tensor, and both write into a
 temporary directory that is renamed only when complete.
+
+Value / reward models convert both ways too: an HF `*ForSequenceClassification` with one label
+(`score.weight` [1, hidden]) becomes a checkpoint whose `output_layer.weight` is that head, and
+a megatron checkpoint whose `output_layer.weight` is [1, hidden] (converted, or saved by
+training a critic) is written back as `*ForSequenceClassification`. Which one a source holds is
+read from it (HF: `architectures`; megatron: the head's stored shape), so the tools take no flag.
 """
 
 from __future__ import annotations
@@ -38,12 +44,15 @@ from gspo_megatron.checkpoint.hf_io import (
     read_unit_rows,
     staged_output,
     validate_hf_tensors,
+    value_head_of,
 )
 from gspo_megatron.checkpoint.mapping import (
+    HEAD_KEY,
     ConversionError,
     ModelMapping,
     TensorMapping,
     get_mapping,
+    is_value_head_shape,
 )
 from gspo_megatron.checkpoint.meta import (
     META_FILE,
@@ -114,6 +123,7 @@ class ConversionReport:
     peak_rss: int
     largest_tensor_bytes: int
     verify_max_abs_diff: float | None = None
+    verified: str = "log-prob"  # what --verify compared: log-probs, or a value model's values
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -132,7 +142,9 @@ class ConversionReport:
             f"{self.largest_tensor_bytes / mib:.0f} MiB)",
         ]
         if self.verify_max_abs_diff is not None:
-            lines.append(f"  verify: max |log-prob difference| = {self.verify_max_abs_diff:.3e}")
+            lines.append(
+                f"  verify: max |{self.verified} difference| = {self.verify_max_abs_diff:.3e}"
+            )
         lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -218,6 +230,7 @@ def convert_hf_to_megatron(
 ) -> ConversionReport:
     """HF safetensors directory -> megatron torch_dist checkpoint (layout-independent).
 
+    A `*ForSequenceClassification` directory with one label converts as a value model.
     dtype: bf16/fp16/fp32; default: the dtype the HF tensors are stored in.
     """
     hf_dir = Path(hf_dir)
@@ -226,7 +239,8 @@ def convert_hf_to_megatron(
         cfg, raw_config = read_hf_config(
             hf_dir, make_vocab_size_divisible_by=make_vocab_size_divisible_by
         )
-        mapping = get_mapping(cfg)
+        value_head = value_head_of(raw_config, str(hf_dir / "config.json"))
+        mapping = get_mapping(cfg, value_head=value_head)
         ckpt = HFCheckpoint(hf_dir)
         validate_hf_tensors(mapping, ckpt)
         target = parse_dtype(dtype) if dtype else ckpt.dtype(mapping.entries[0].hf_names[0])
@@ -260,6 +274,8 @@ def convert_hf_to_megatron(
                     "converted_from": str(hf_dir.absolute()),
                     "dtype": dtype_name(target),
                     "layout_independent": True,
+                    # for readers; loaders read it from the stored head's shape
+                    "value_head": value_head,
                 },
             }
             write_meta(tmp, meta)
@@ -269,7 +285,7 @@ def convert_hf_to_megatron(
             report.bytes_written = torch_dist.directory_bytes(tmp)
             report.seconds = time.perf_counter() - t0
             if verify:
-                report.verify_max_abs_diff = _verify(hf_dir, tmp, cfg, target)
+                _run_verify(report, hf_dir, tmp, cfg, target, value_head)
     report.peak_rss = mem.peak
     return report
 
@@ -284,6 +300,12 @@ def _read_requests(entry: TensorMapping, mapping: ModelMapping):
         return (entry.key, (0,) * len(rows), rows, 0)
     stacked = len(spec.stacked)
     return (entry.key, entry.index + (0,) * len(entry.shape), (1,) * stacked + entry.shape, stacked)
+
+
+def stored_value_head(reader: torch_dist.TorchDistCheckpoint) -> bool:
+    """Whether a megatron checkpoint holds a value model (by its `output_layer.weight`)."""
+    md = reader.tensor(HEAD_KEY)
+    return is_value_head_shape(None if md is None else tuple(md.size))
 
 
 def check_megatron_checkpoint(reader: torch_dist.TorchDistCheckpoint, mapping: ModelMapping):
@@ -325,6 +347,8 @@ def convert_megatron_to_hf(
 
     hf_config: a config.json describing the model, for checkpoints without gspo metadata.
     dtype: bf16/fp16/fp32; default: the dtype the checkpoint stores.
+    A checkpoint whose `output_layer.weight` is [1, hidden] (a value / reward model) is
+    written as `*ForSequenceClassification` with one label (`score.weight`).
     """
     src = Path(megatron_dir)
     with PeakRSS() as mem:
@@ -340,11 +364,18 @@ def convert_megatron_to_hf(
             )
         if base_config is None and (src / HF_FILES_DIR / "config.json").is_file():
             base_config = json.loads((src / HF_FILES_DIR / "config.json").read_text())
-        mapping = get_mapping(cfg)
         problems = manifest.verify(src, required=False)
         if problems:
             raise ConversionError(f"{src}: damaged checkpoint: " + "; ".join(problems[:6]))
         reader = torch_dist.TorchDistCheckpoint(src)
+        value_head = stored_value_head(reader)
+        if hf_config is not None and value_head_of(base_config, str(hf_config)) != value_head:
+            kind = {True: "a value model", False: "a policy"}
+            raise ConversionError(
+                f"{hf_config}: describes {kind[not value_head]}, but {src} holds "
+                f"{kind[value_head]} (by the shape of its {HEAD_KEY})"
+            )
+        mapping = get_mapping(cfg, value_head=value_head)
         check_megatron_checkpoint(reader, mapping)
         stored = reader.tensor(mapping.entries[0].key).properties.dtype
         target = parse_dtype(dtype) if dtype else stored
@@ -384,7 +415,12 @@ def convert_megatron_to_hf(
             except BaseException:
                 writer.abort()
                 raise
-            config = hf_config_for_export(cfg, base_config, target)
+            config = hf_config_for_export(cfg, base_config, target, value_head=value_head)
+            if value_head and config.get("pad_token_id") is None:
+                report.notes.append(
+                    "config.json has no pad_token_id: transformers' sequence classification "
+                    "then scores batches of one sequence only (set it to the tokenizer's)"
+                )
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             sources = [Path(tokenizer)] if tokenizer else []
             sources += [src / HF_FILES_DIR, src]
@@ -396,7 +432,7 @@ def convert_megatron_to_hf(
             report.bytes_written = torch_dist.directory_bytes(tmp)
             report.seconds = time.perf_counter() - t0
             if verify:
-                report.verify_max_abs_diff = _verify(tmp, src, cfg, target)
+                _run_verify(report, tmp, src, cfg, target, value_head)
     report.peak_rss = mem.peak
     return report
 
@@ -415,15 +451,82 @@ def _read_buckets(mapping: ModelMapping, read_bytes: int, itemsize: int):
         yield bucket
 
 
-def _verify(hf_dir: Path, megatron_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> float:
-    from gspo_megatron.checkpoint.verify import compare_logprobs
+def _run_verify(
+    report: ConversionReport,
+    hf_dir: Path,
+    megatron_dir: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    value_head: bool,
+) -> None:
+    if value_head:
+        report.verified = "value"
+        report.verify_max_abs_diff = compare_values(hf_dir, megatron_dir, cfg, round_to=dtype)
+    else:
+        from gspo_megatron.checkpoint.verify import compare_logprobs
 
-    return compare_logprobs(hf_dir, megatron_dir, cfg, round_to=dtype)
+        report.verify_max_abs_diff = compare_logprobs(hf_dir, megatron_dir, cfg, round_to=dtype)
+
+
+@torch.no_grad()
+def compare_values(
+    hf_dir: str | Path,
+    megatron_dir: str | Path,
+    cfg: ModelConfig,
+    *,
+    round_to: torch.dtype | None = None,
+    count: int = 2,
+    length: int = 32,
+    seed: int = 0,
+) -> float:
+    """max |value difference| of a value model, at every position of random token sequences,
+    between transformers' `AutoModelForSequenceClassification` (its head applied to every
+    hidden state) and a one-process megatron model; both in float32 with the weights rounded
+    to `round_to` (like `verify.compare_logprobs` for policies)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForSequenceClassification
+
+    from gspo_megatron.checkpoint.verify import random_sequences
+    from gspo_megatron.megatron import cpu_compat
+
+    tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
+    model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=round_to)
+    model = model.float().eval()
+    hidden = model.model(input_ids=tokens).last_hidden_state
+    hf = model.score(hidden)[..., 0].float()
+    del model
+
+    cpu_compat.apply()  # before megatron-core is imported
+    from gspo_megatron.checkpoint.loading import load_weights
+    from gspo_megatron.megatron import parallel
+    from gspo_megatron.megatron.model import build_model_chunks
+    from gspo_megatron.spec.layout import ParallelLayout
+
+    started = not dist.is_initialized()
+    if not started and dist.get_world_size() != 1:
+        raise RuntimeError("verification builds a one-process model; run it outside torchrun")
+    layout = ParallelLayout(world_size=1)
+    parallel.initialize(layout, seed=0)
+    try:
+        cfg = cfg.replace(params_dtype="float32")
+        chunks = build_model_chunks(cfg, layout, use_te=False, value_head=True)
+        load_weights(chunks, cfg, megatron_dir, value_head=True)
+        chunk = chunks[0].eval()
+        if round_to is not None:
+            for p in chunk.parameters():
+                p.copy_(p.to(round_to).float())
+        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
+        mc = chunk(tokens, positions, None)[..., 0].float()
+    finally:
+        if started:
+            parallel.destroy()
+    return float((hf - mc).abs().max())
 
 
 def run_conversion_tool(convert, verify_tol: float, **kwargs: Any) -> int:
     """`convert(**kwargs)` for the conversion tools: its summary, and their exit status (2: bad
-    input, one line; 1: verification found a log-prob difference above `verify_tol`)."""
+    input, one line; 1: verification found a log-prob (value model: value) difference above
+    `verify_tol`)."""
     try:
         report = convert(**kwargs)
     except (ConversionError, CheckpointError) as err:

@@ -26,9 +26,12 @@ import numpy as np
 import torch
 
 from gspo_megatron.checkpoint.mapping import (
+    LM_HEAD_HF_NAME,
+    VALUE_HEAD_HF_NAME,
     ConversionError,
     ModelMapping,
     Shape,
+    sequence_classification_architecture,
     unexpected_hf_names,
 )
 
@@ -133,8 +136,32 @@ def _normalized_hf_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     return full
 
 
+def value_head_of(raw: dict[str, Any], source: str) -> bool:
+    """Whether an HF config describes a value / reward model: `architectures` names a
+    `*ForSequenceClassification` (transformers' GenericForSequenceClassification: the decoder
+    plus `score.weight` [num_labels, hidden], no bias). Only one label is supported; others are
+    refused naming the config file."""
+    archs = raw.get("architectures") or []
+    classifier = [a for a in archs if str(a).endswith("ForSequenceClassification")]
+    if not classifier:
+        return False
+    # transformers: num_labels is len(id2label) when given, else `num_labels`, else 2
+    id2label = raw.get("id2label")
+    num_labels = len(id2label) if id2label else raw.get("num_labels", 2)
+    if num_labels != 1:
+        raise ConversionError(
+            f"{source}: {classifier[0]} with num_labels={num_labels}; value and reward models "
+            "must have one label (score.weight of shape [1, hidden_size])"
+        )
+    return True
+
+
 def read_hf_config(path: str | Path, **overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
-    """(ModelConfig, the raw config.json dict) of an HF model directory (or its config file)."""
+    """(ModelConfig, the raw config.json dict) of an HF model directory (or its config file).
+
+    A `*ForSequenceClassification` config (a value / reward model, `value_head_of(raw)`) gives
+    the ModelConfig of its decoder; one with more than one label is refused here.
+    """
     from gspo_megatron.spec.model_config import ModelConfig
 
     config_file = Path(path) if Path(path).is_file() else Path(path) / "config.json"
@@ -144,6 +171,7 @@ def read_hf_config(path: str | Path, **overrides: Any) -> tuple[ModelConfig, dic
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
         raise ConversionError(f"{config_file}: not valid JSON ({err})") from err
+    value_head_of(raw, str(config_file))
     full = _normalized_hf_config(raw, str(config_file))
     try:
         return ModelConfig.from_hf(full, **overrides), raw
@@ -151,11 +179,21 @@ def read_hf_config(path: str | Path, **overrides: Any) -> tuple[ModelConfig, dic
         raise ConversionError(f"{config_file}: {err}") from err
 
 
-def hf_config_for_export(cfg: ModelConfig, base: dict[str, Any] | None, dtype: torch.dtype):
+def hf_config_for_export(
+    cfg: ModelConfig,
+    base: dict[str, Any] | None,
+    dtype: torch.dtype,
+    *,
+    value_head: bool = False,
+):
     """config.json for an exported model: the original file's fields (token ids, etc.) with
-    every field our config defines taken from `cfg`."""
+    every field our config defines taken from `cfg`. A value model is written as transformers'
+    `*ForSequenceClassification` with one label."""
     out = dict(base or {})
     ours = cfg.to_hf()
+    if value_head:
+        ours["architectures"] = [sequence_classification_architecture(cfg)]
+        ours.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if "rope_parameters" in out:
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     out.update(ours)
@@ -291,6 +329,14 @@ class HFCheckpoint:
     def names(self) -> list[str]:
         return list(self.tensors)
 
+    @property
+    def weights_file(self) -> Path:
+        """The file that lists the weights (the index, else the one safetensors file)."""
+        if (self.path / INDEX_FILE).is_file():
+            return self.path / INDEX_FILE
+        files = sorted({info.file for info in self.tensors.values()})
+        return files[0] if len(files) == 1 else self.path
+
     def has(self, name: str) -> bool:
         return name in self.tensors or self._fused(name) is not None
 
@@ -345,17 +391,48 @@ class HFCheckpoint:
         }
 
 
-def validate_hf_tensors(mapping: ModelMapping, ckpt: HFCheckpoint) -> None:
+def check_hf_head(mapping: ModelMapping, ckpt: HFCheckpoint, *, head: str = "load") -> None:
+    """A value model's checkpoint has `score.weight` and a policy's has none, unless `head` is
+    "init" (a value model initialised from any checkpoint's transformer); one line naming the
+    file and the tensor otherwise."""
+    if head == "init":
+        return
+    has_score = ckpt.has(VALUE_HEAD_HF_NAME)
+    if mapping.value_head and not has_score:
+        what = (
+            f"it holds {LM_HEAD_HF_NAME}: a policy (*ForCausalLM) checkpoint"
+            if ckpt.has(LM_HEAD_HF_NAME)
+            else "a (tied) policy checkpoint, or weights without a head"
+        )
+        raise ConversionError(
+            f"{ckpt.weights_file}: no tensor {VALUE_HEAD_HF_NAME}, the head of a value / reward "
+            f"model (*ForSequenceClassification); {what}. To initialise a value model from a "
+            "policy, load it with head='init' (the head starts at zero)"
+        )
+    if not mapping.value_head and has_score:
+        raise ConversionError(
+            f"{ckpt.weights_file}: holds {VALUE_HEAD_HF_NAME}: a value / reward model "
+            "(*ForSequenceClassification), not a policy; load it as a value model"
+        )
+
+
+def validate_hf_tensors(mapping: ModelMapping, ckpt: HFCheckpoint, *, head: str = "load") -> None:
     """Every tensor the mapping needs is there with its shape and a float dtype, and nothing
-    else is (errors name the tensor and its file)."""
-    missing = [n for n in mapping.hf_names if not ckpt.has(n)]
+    else is (errors name the tensor and its file).
+
+    head="init" (value models): only the transformer's tensors are needed, and a checkpoint's
+    `lm_head.weight` or `score.weight` is ignored.
+    """
+    check_hf_head(mapping, ckpt, head=head)
+    needed = mapping.body_hf_names if head == "init" else mapping.hf_names
+    missing = [n for n in needed if not ckpt.has(n)]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ConversionError(
             f"{ckpt.path}: tensors missing from the checkpoint: {missing[:5]}{more} (a missing "
             "shard file, or a config that does not match the weights)"
         )
-    for name in mapping.hf_names:
+    for name in needed:
         shape, expected = ckpt.shape(name), mapping.hf_shape(name)
         if tuple(shape) != expected:
             where = ckpt.tensors[name].file if name in ckpt.tensors else ckpt.path
@@ -366,7 +443,9 @@ def validate_hf_tensors(mapping: ModelMapping, ckpt: HFCheckpoint) -> None:
         if not ckpt.dtype(name).is_floating_point:
             raise ConversionError(f"{ckpt.path}: tensor {name} has dtype {ckpt.dtype(name)}")
     covered = set(mapping.hf_names) | ckpt.fused_names()
-    extra = unexpected_hf_names(mapping, [n for n in ckpt.names if n not in covered])
+    extra = unexpected_hf_names(
+        mapping, [n for n in ckpt.names if n not in covered], ignore_heads=head == "init"
+    )
     if extra:
         raise ConversionError(
             f"{ckpt.path}: tensors this {mapping.config.model_type} mapping has no place for: "

@@ -24,6 +24,13 @@ layer 3 / expert 17's fc1 — and the HF tensors it is made of. Three transforms
 - `vocab`: embedding / output rows are padded to a multiple of `make_vocab_size_divisible_by`
   (zeros on import); export keeps the first `vocab_size` rows. megatron loads these two keys
   with `allow_shape_mismatch`, so a checkpoint padded for one TP degree loads on any other.
+
+A value or reward model (`get_mapping(cfg, value_head=True)`) is the same transformer whose
+`output_layer.weight` is the scalar head, [1, hidden], HF's `score.weight` of
+`Qwen3(Moe)ForSequenceClassification` with one label; it has no `lm_head` and is never tied.
+Whether a checkpoint holds one is not part of `ModelConfig` (the critic shares the policy's
+architecture and is initialised from it): HF configs say it in `architectures`
+(`hf_io.value_head_of`), megatron checkpoints in the stored head's shape.
 """
 
 from __future__ import annotations
@@ -80,11 +87,18 @@ class TensorMapping:
         return math.prod(self.shape)
 
 
+# The megatron key of the output layer: the vocabulary projection, or a value model's head.
+HEAD_KEY = "output_layer.weight"
+VALUE_HEAD_HF_NAME = "score.weight"
+LM_HEAD_HF_NAME = "lm_head.weight"
+
+
 @dataclass
 class ModelMapping:
     """Every megatron key and unit of one model, in a fixed (HF file) order."""
 
     config: ModelConfig
+    value_head: bool = False  # output_layer is a value model's [1, hidden] head (score.weight)
     keys: dict[str, KeySpec] = field(default_factory=dict)
     entries: list[TensorMapping] = field(default_factory=list)
     _by_unit: dict[tuple[str, Shape], TensorMapping] = field(default_factory=dict, repr=False)
@@ -120,6 +134,11 @@ class ModelMapping:
     @property
     def hf_names(self) -> list[str]:
         return [n for e in self.entries for n in e.hf_names]
+
+    @property
+    def body_hf_names(self) -> list[str]:
+        """The HF tensors of every unit but the output layer (the transformer alone)."""
+        return [n for e in self.entries if e.key != HEAD_KEY for n in e.hf_names]
 
     def hf_shape(self, name: str) -> Shape:
         entry = self._by_hf[name]
@@ -305,8 +324,12 @@ FINAL_NORM = _rule(
     lambda c: (c.hidden_size,),
 )  # fmt: skip
 OUTPUT = _rule(
-    "output_layer.weight", "vocab", ["lm_head.weight"], "model",
+    HEAD_KEY, "vocab", [LM_HEAD_HF_NAME], "model",
     lambda c: (c.padded_vocab_size(1), c.hidden_size),
+)  # fmt: skip
+# A value / reward model's head (model.ValueHead): one row, replicated over TP, no padding.
+VALUE_HEAD = _rule(
+    HEAD_KEY, "copy", [VALUE_HEAD_HF_NAME], "model", lambda c: (1, c.hidden_size),
 )  # fmt: skip
 
 
@@ -319,12 +342,16 @@ def _check_supported(cfg: ModelConfig) -> None:
         )
 
 
-def build_mapping(cfg: ModelConfig, layer_rules: Sequence[Rule]) -> ModelMapping:
+def build_mapping(
+    cfg: ModelConfig, layer_rules: Sequence[Rule], *, value_head: bool = False
+) -> ModelMapping:
     """Units in HF file order: embedding, then each layer (experts in order), then the final
-    norm and (untied) output layer."""
+    norm and the (untied) output layer, or a value model's head."""
     _check_supported(cfg)
-    head, tail = [EMBEDDING], [FINAL_NORM] + ([] if cfg.tie_word_embeddings else [OUTPUT])
-    m = ModelMapping(cfg)
+    # a value head is never tied to the embedding
+    output = [VALUE_HEAD] if value_head else [] if cfg.tie_word_embeddings else [OUTPUT]
+    head, tail = [EMBEDDING], [FINAL_NORM, *output]
+    m = ModelMapping(cfg, value_head=value_head)
     layers, experts = cfg.num_hidden_layers, cfg.num_experts if cfg.is_moe else 0
     stacked = {"model": (), "layer": (layers,), "expert": (layers, experts)}
     for rule in (*head, *layer_rules, *tail):
@@ -367,44 +394,68 @@ def _meta_entry(rule: Rule, spec: KeySpec) -> TensorMapping:
     return TensorMapping(rule.key, (), rule.hf, (), rule.kind, spec.unit_shape)
 
 
-def qwen3_moe_mapping(cfg: ModelConfig) -> ModelMapping:
-    return build_mapping(cfg, (*ATTENTION, *MOE_MLP))
+def qwen3_moe_mapping(cfg: ModelConfig, *, value_head: bool = False) -> ModelMapping:
+    return build_mapping(cfg, (*ATTENTION, *MOE_MLP), value_head=value_head)
 
 
-def qwen3_mapping(cfg: ModelConfig) -> ModelMapping:
-    return build_mapping(cfg, (*ATTENTION, *DENSE_MLP))
+def qwen3_mapping(cfg: ModelConfig, *, value_head: bool = False) -> ModelMapping:
+    return build_mapping(cfg, (*ATTENTION, *DENSE_MLP), value_head=value_head)
 
 
-# HF `model_type` -> the mapping of that architecture.
-MAPPINGS: dict[str, Callable[[ModelConfig], ModelMapping]] = {
+# HF `model_type` -> the mapping of that architecture (policy, or value model with value_head).
+MAPPINGS: dict[str, Callable[..., ModelMapping]] = {
     "qwen3_moe": qwen3_moe_mapping,
     "qwen3": qwen3_mapping,
 }
 
 
-def get_mapping(cfg: ModelConfig) -> ModelMapping:
-    """The mapping for a model config; a clear error for architectures without one."""
+def get_mapping(cfg: ModelConfig, *, value_head: bool = False) -> ModelMapping:
+    """The mapping for a model config — a policy's, or with `value_head` a value / reward
+    model's (`output_layer.weight` <-> `score.weight`); a clear error for architectures without
+    one."""
     builder = MAPPINGS.get(cfg.model_type)
     if builder is None:
         raise ConversionError(
             f"no checkpoint mapping for model_type={cfg.model_type!r} ({cfg.architecture}); "
             f"supported: {sorted(MAPPINGS)}"
         )
-    return builder(cfg)
+    return builder(cfg, value_head=value_head)
+
+
+def is_value_head_shape(shape: Sequence[int] | None) -> bool:
+    """Whether a stored `output_layer.weight` global shape is a value model's head ([1, hidden];
+    a policy's is the padded vocabulary, or absent when tied)."""
+    return shape is not None and len(shape) == 2 and shape[0] == 1
+
+
+def sequence_classification_architecture(cfg: ModelConfig) -> str:
+    """transformers' value / reward model class of an architecture (GenericForSequenceClassification
+    over the same decoder): Qwen3MoeForCausalLM -> Qwen3MoeForSequenceClassification."""
+    return cfg.architecture.removesuffix("ForCausalLM") + "ForSequenceClassification"
 
 
 # Tensors an HF checkpoint may hold that carry no weights of ours (recomputed buffers).
 IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def unexpected_hf_names(mapping: ModelMapping, names: Sequence[str]) -> list[str]:
-    """HF tensors the mapping has no place for (a tied `lm_head.weight` is allowed)."""
+def unexpected_hf_names(
+    mapping: ModelMapping, names: Sequence[str], *, ignore_heads: bool = False
+) -> list[str]:
+    """HF tensors the mapping has no place for (a tied `lm_head.weight` is allowed; with
+    `ignore_heads`, any `lm_head.weight` or `score.weight`: a value model initialised from a
+    checkpoint's transformer only)."""
     known = set(mapping.hf_names)
     out = []
     for name in names:
         if name in known or name.endswith(IGNORED_HF_SUFFIXES):
             continue
-        if name == "lm_head.weight" and mapping.config.tie_word_embeddings:
+        if ignore_heads and name in (LM_HEAD_HF_NAME, VALUE_HEAD_HF_NAME):
+            continue
+        if (
+            name == LM_HEAD_HF_NAME
+            and mapping.config.tie_word_embeddings
+            and not mapping.value_head
+        ):
             continue  # some tied checkpoints store it; transformers ties it to the embedding
         out.append(name)
     return out

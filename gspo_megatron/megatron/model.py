@@ -1,4 +1,5 @@
-"""Build the Qwen3 / Qwen3-MoE policy as megatron-core GPTModel chunks for a parallel layout."""
+"""Build the Qwen3 / Qwen3-MoE policy (or value / reward model) as megatron-core GPTModel chunks
+for a parallel layout."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -142,6 +144,37 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class ValueHead(torch.nn.Module):
+    """The scalar head of a value or reward model in place of GPTModel's output layer:
+    hidden [s, b, h] -> [s, b, 1], one weight row replicated over TP (HF's `score.weight` of
+    `*ForSequenceClassification` with one label).
+
+    Under sequence parallelism each TP rank holds a slice of the sequence: the head runs on its
+    slice and the values are gathered; the backward keeps each rank's slice of the gradient
+    (every TP rank computes the same loss, so nothing is summed), and the weight's gradient,
+    from this rank's slice only, is summed over TP by megatron (the `sequence_parallel` tag)
+    like the norms'. Initialised to zero: a new critic predicts 0 everywhere, on every layout.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(
+            torch.zeros(1, config.hidden_size, dtype=config.params_dtype)
+        )
+        self.sequence_parallel = config.sequence_parallel
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
+        values = F.linear(hidden, self.weight)
+        if self.sequence_parallel:
+            values = gather_from_sequence_parallel_region(
+                values,
+                tensor_parallel_output_grad=False,
+                group=parallel_state.get_tensor_model_parallel_group(),
+            )
+        return values, None
+
+
 def layer_spec(model: ModelConfig, *, use_te: bool | None = None) -> ModuleSpec:
     """The decoder layer spec; checkpoint keys are those of the transformer-engine spec.
 
@@ -189,8 +222,13 @@ def build_model_chunks(
     *,
     config: TransformerConfig | None = None,
     use_te: bool | None = None,
+    value_head: bool = False,
 ) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), parallel state initialised."""
+    """This rank's model chunks (one per virtual pipeline stage), parallel state initialised.
+
+    value_head: a value / reward model, the last stage ending in a `ValueHead` instead of the
+    vocabulary projection (never tied to the embedding).
+    """
     config = config or transformer_config(model, layout)
     if use_te is None:
         use_te = transformer_engine_available()
@@ -215,12 +253,14 @@ def build_model_chunks(
             max_sequence_length=model.max_position_embeddings,
             pre_process=pre,
             post_process=post,
-            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            share_embeddings_and_output_weights=model.tie_word_embeddings and not value_head,
             position_embedding_type="rope",
             rotary_base=int(model.rope_theta),
             parallel_output=True,
             vp_stage=vp_stage,
         )
+        if value_head and post:
+            chunk.output_layer = ValueHead(config)
         # Some parameters are created on the host whatever the init path (megatron's router
         # weights, our norms); like megatron's own get_model, place the whole chunk at once
         # (unless it was built on the meta device, to be counted and never run).
