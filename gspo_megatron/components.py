@@ -22,6 +22,10 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
 
     tokenizer = load_run_tokenizer(cfg)
     check_vocab(tokenizer, model.vocab_size)
+    if cfg.reward.model_path:
+        check_reward_model(cfg.reward.model_path, tokenizer)
+    if cfg.critic.init_from:
+        check_value_model(cfg.critic.init_from, model, "critic.init_from")
     train_data, eval_data = build_datasets(cfg.data, tokenizer)
     check_prompt_ids(train_data, model.vocab_size)
     longest_prompt = max(len(p.prompt_ids) for p in train_data.prompts)
@@ -37,13 +41,21 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0:
         from gspo_megatron.megatron.engine import TrainingEngine
 
         # The initial policy, frozen: copied before a resume loads the policy's checkpoint, so a
         # resumed run keeps the same reference (model.init_from, or the seeded initialisation).
         reference = TrainingEngine.frozen_copy(engine)
+    critic = build_critic(cfg, engine) if cfg.algorithm.advantage == "gae" else None
     scorer = build_scorer(cfg.reward)
+    reward_model = None
+    if cfg.reward.model_path:
+        from gspo_megatron.megatron.reward_model import RewardModel
+
+        reward_model = RewardModel.load(
+            cfg.reward.model_path, layout, cfg.engine, params_dtype=model.params_dtype
+        )
     rollout, weight_source = build_rollout(cfg, engine)
     ranks = ProcessGroupRanks()
     return Trainer(
@@ -60,6 +72,8 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         watchdog=PeerWatchdog(cfg.trainer.peer_timeout_s),
         weight_source=weight_source,
         reference=reference,
+        critic=critic,
+        reward_model=reward_model,
     )
 
 
@@ -105,6 +119,57 @@ def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayo
     if cfg.model.init_from:
         init_weights(engine, cfg.model.init_from)
     return engine
+
+
+def check_reward_model(path: str, tokenizer) -> None:
+    """reward.model_path before anything is built: a value model (one label) whose vocabulary
+    holds every id of the run's tokenizer (it scores the policy's token ids as they are)."""
+    from gspo_megatron.checkpoint.loading import check_head, read_model_config
+    from gspo_megatron.checkpoint.meta import CheckpointError
+    from gspo_megatron.data.vocab import check_vocab
+
+    try:
+        config = read_model_config(path)
+        check_head(path, config, value_head=True)
+        check_vocab(tokenizer, config.vocab_size)
+    except (ValueError, CheckpointError) as err:
+        raise ConfigError(f"reward.model_path={path}: {err}") from err
+
+
+def check_value_model(path: str, model: ModelConfig, key: str) -> None:
+    """A value model's checkpoint of the policy's architecture (the critic's init_from)."""
+    from gspo_megatron.checkpoint.loading import check_head, read_model_config
+    from gspo_megatron.checkpoint.meta import CheckpointError, architecture_difference
+
+    try:
+        difference = architecture_difference(read_model_config(path).to_dict(), model)
+        check_head(path, model, value_head=True)
+    except (ValueError, CheckpointError) as err:
+        raise ConfigError(f"{key}={path}: {err}") from err
+    if difference:
+        raise ConfigError(f"{key}={path}: {difference}")
+
+
+def build_critic(cfg: RunConfig, policy):
+    """PPO's value model on the policy's layout: from critic.init_from, or the policy's
+    starting weights (copied before a resume loads either) with a zero value head."""
+    from gspo_megatron.megatron.engine import TrainingEngine
+
+    critic = TrainingEngine(
+        policy.model_config,
+        policy.layout,
+        cfg.engine,
+        cfg.critic.optimizer,
+        decay_steps=cfg.decay_steps_of(cfg.critic.optimizer),
+        value_head=True,
+    )
+    if cfg.critic.init_from:
+        from gspo_megatron.checkpoint import load_engine_weights
+
+        load_engine_weights(critic, cfg.critic.init_from)
+    else:
+        critic.load_trunk_from(policy)
+    return critic
 
 
 def init_weights(engine, source: str) -> None:

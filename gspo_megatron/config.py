@@ -72,10 +72,14 @@ class ParallelSection:
 class AlgorithmSection:
     """`algorithm/`: the policy loss and everything that shapes its inputs.
 
-    loss: gspo | gspo_token | grpo | dapo | dr_grpo | sapo | cispo | gmpo. The loss's own
+    loss: gspo | gspo_token | ppo | grpo | dapo | dr_grpo | sapo | cispo | gmpo. The loss's own
     hyper-parameters (clip_low, clip_high, clip_c, tau_pos, tau_neg, max_response_length) go
     in `hparams`; unset ones take the paper defaults (docs/ALGORITHMS.md).
-    advantage: group_mean_std | group_mean; null = the loss's paper estimator.
+    advantage: group_mean_std | group_mean | gae; null = the loss's paper estimator. gae:
+    PPO's generalised advantage estimation with a learned critic (the `critic` section) over
+    per-token rewards (the reward at the last model token, minus kl_reward_coef x the
+    kl_estimator's per-token KL to the initial policy), with gamma and lam, the advantages
+    whitened over the batch when whiten_advantages.
     num_minibatches: optimizer steps per rollout batch (the GSPO paper uses 4).
     old_logprobs: recompute (trainer forward) | rollout (the rollout engine's log-probs).
     routing_replay: off | r2 (replay the old-policy forward's routes) | r3 (the rollout
@@ -94,8 +98,12 @@ class AlgorithmSection:
 
     loss: str = "gspo"
     hparams: dict[str, Any] = field(default_factory=dict)
-    advantage: str | None = choice(None, "group_mean_std", "group_mean")
+    advantage: str | None = choice(None, "group_mean_std", "group_mean", "gae")
     advantage_eps: float = bounded(1e-6, ge=0)
+    gamma: float = bounded(1.0, ge=0, le=1)
+    lam: float = bounded(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
+    kl_reward_coef: float = bounded(0.0, ge=0)
     num_minibatches: int = bounded(4, ge=1)
     old_logprobs: str = choice("recompute", "rollout")
     routing_replay: str = choice("off", "r2", "r3")
@@ -121,6 +129,26 @@ class AlgorithmSection:
         if self.loss == "dr_grpo":
             hparams.setdefault("max_response_length", max_new_tokens)
         return hparams
+
+
+@dataclass
+class CriticSection:
+    """`critic`: PPO's value model, built when algorithm.advantage=gae: the policy's
+    architecture on the policy's parallel layout, ending in a scalar head (docs/ALGORITHMS.md,
+    "PPO with a critic").
+
+    init_from: null = the policy's starting weights (model.init_from, or the same seeded
+    initialisation) with a zero head; or a Hugging Face *ForSequenceClassification directory
+    with one label (a reward model), or a gspo-megatron checkpoint of a value model.
+    value_clip: the value loss's clipping around the values the batch was generated with (0 =
+    unclipped). warmup_steps: the first RL steps train the critic only. optimizer: the critic's
+    own optimizer and learning-rate schedule (the `optimizer` section's keys).
+    """
+
+    init_from: str | None = None
+    value_clip: float = bounded(0.2, ge=0)
+    warmup_steps: int = bounded(0, ge=0)
+    optimizer: OptimizerSettings = field(default_factory=lambda: OptimizerSettings(lr=1e-3))
 
 
 @dataclass
@@ -218,6 +246,7 @@ class RunConfig:
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    critic: CriticSection = field(default_factory=CriticSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -229,8 +258,13 @@ class RunConfig:
 
     @property
     def decay_steps(self) -> int | None:
-        """Optimizer steps the learning rate decays over: the whole run, unless it is constant."""
-        if self.optimizer.decay_style == "constant":
+        """Optimizer steps the policy's learning rate decays over: the whole run, unless it is
+        constant."""
+        return self.decay_steps_of(self.optimizer)
+
+    def decay_steps_of(self, optimizer: OptimizerSettings) -> int | None:
+        """Optimizer steps `optimizer`'s learning rate decays over (the critic's too)."""
+        if optimizer.decay_style == "constant":
             return None
         return self.trainer.steps * self.algorithm.num_minibatches
 
@@ -360,7 +394,12 @@ def missing_paths(cfg: RunConfig) -> list[str]:
 
     out = []
     model = cfg.model
-    for key, value in (("model.init_from", model.init_from), ("model.tokenizer", model.tokenizer)):
+    for key, value in (
+        ("model.init_from", model.init_from),
+        ("model.tokenizer", model.tokenizer),
+        ("critic.init_from", cfg.critic.init_from),
+        ("reward.model_path", cfg.reward.model_path),
+    ):
         if value and value not in CHAR_TOKENIZER_NAMES and not Path(value).exists():
             out.append(f"{key}={value} does not exist")
     for key in ("train_files", "eval_files"):
@@ -419,6 +458,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"algorithm.mismatch_upper={alg.mismatch_upper:g}"
         )
     _check_mismatch(alg)
+    _check_critic(cfg)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
     _check_resume(trainer.resume)
@@ -466,6 +506,46 @@ def _check_rollout_mode(cfg: RunConfig) -> None:
             f"algorithm.dynamic_sampling=dapo with rollout.mode={mode}: its refill rounds need "
             "the step's rewards first (a synchronous round trip each) and would draw prompts "
             "out of order with the batches generated ahead; use dupo or none"
+        )
+
+
+def _check_critic(cfg: RunConfig) -> None:
+    from gspo_megatron.algorithms.losses import POLICY_LOSSES
+
+    alg, critic = cfg.algorithm, cfg.critic
+    if alg.advantage != "gae":
+        defaults = AlgorithmSection()
+        unused = [
+            f"algorithm.{name}"
+            for name in ("gamma", "lam", "kl_reward_coef")
+            if getattr(alg, name) != getattr(defaults, name)
+        ]
+        unused += [
+            f"critic.{name}"
+            for name in ("init_from", "warmup_steps")
+            if getattr(critic, name) != getattr(CriticSection(), name)
+        ]
+        if unused:
+            raise ConfigError(
+                f"{unused[0]} is set but only PPO's advantage estimation reads it: set "
+                "algorithm.advantage=gae (a critic) or leave it at its default"
+            )
+        return
+    if POLICY_LOSSES[alg.loss].sequence_advantages:
+        raise ConfigError(
+            f"algorithm.advantage=gae gives every token its own advantage; algorithm.loss="
+            f"{alg.loss} takes one advantage per sequence (use ppo, grpo, dapo, dr_grpo, sapo, "
+            "cispo or gspo_token)"
+        )
+    if critic.warmup_steps >= cfg.trainer.steps:
+        raise ConfigError(
+            f"critic.warmup_steps={critic.warmup_steps} leaves no step of trainer.steps="
+            f"{cfg.trainer.steps} that trains the policy"
+        )
+    if critic.optimizer.min_lr > critic.optimizer.lr:
+        raise ConfigError(
+            f"critic.optimizer.min_lr={critic.optimizer.min_lr:g} must not exceed "
+            f"critic.optimizer.lr={critic.optimizer.lr:g}"
         )
 
 

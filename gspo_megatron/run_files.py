@@ -124,9 +124,12 @@ class RunCheckpoints:
 
     # -- save -------------------------------------------------------------------------------
 
-    def save(self, engine, step: int, state: dict[str, Any]) -> Path:
+    def save(
+        self, engine, step: int, state: dict[str, Any], companions: dict | None = None
+    ) -> Path:
         """Write step `step`'s checkpoint (unless this process already has it intact), then
-        delete the oldest intact ones beyond keep_last, never one newer than `step`."""
+        delete the oldest intact ones beyond keep_last, never one newer than `step`.
+        companions: engines trained with the policy (name -> engine), saved with it."""
         from gspo_megatron.megatron import checkpointing
 
         target = self.path(step)
@@ -134,7 +137,7 @@ class RunCheckpoints:
             return target
         if _agree(target.exists()):
             try:
-                checkpointing.validate(engine, target)
+                checkpointing.validate(engine, target, companions=companions)
                 self._intact[step] = target
                 return target
             except CheckpointError as err:
@@ -145,7 +148,7 @@ class RunCheckpoints:
             self._warn_if_low_space()
         dist.barrier()
         try:
-            checkpointing.save_engine(engine, target, extra=state)
+            checkpointing.save_engine(engine, target, extra=state, companions=companions)
         except CheckpointError as err:
             intact = self.newest_intact
             raise CheckpointError(
@@ -181,28 +184,29 @@ class RunCheckpoints:
 
     # -- resume -----------------------------------------------------------------------------
 
-    def resume(self, engine, mode: str) -> dict[str, Any] | None:
-        """Load per trainer.resume (auto | never | a checkpoint path); returns the trainer state
-        saved with it, or None for a fresh start. Raises CheckpointError when checkpoints exist
-        and none is usable (listing each with its reason), or when a given path is unusable."""
+    def resume(self, engine, mode: str, companions: dict | None = None) -> dict[str, Any] | None:
+        """Load per trainer.resume (auto | never | a checkpoint path) into `engine` and its
+        companions; returns the trainer state saved with it, or None for a fresh start. Raises
+        CheckpointError when checkpoints exist and none is usable (listing each with its
+        reason), or when a given path is unusable."""
         from gspo_megatron.megatron import checkpointing
 
         if mode == "never":
             return None
         if mode != "auto":
-            meta = checkpointing.load_engine(engine, mode)
+            meta = checkpointing.load_engine(engine, mode, companions=companions)
             self._after_resume(int(meta["extra"]["step"]), Path(mode))
             return meta["extra"]
         candidates = _broadcast(checkpoint_dirs(self.run_dir))
         failures: dict[Path, str] = {}
         for step, path in reversed(candidates):
             try:
-                meta = checkpointing.validate(engine, path)
+                meta = checkpointing.validate(engine, path, companions=companions)
             except CheckpointError as err:
                 failures[path] = str(err)
                 note(f"checkpoint {path.name} is unusable: {err}")
                 continue
-            checkpointing.load_engine(engine, path, check=False)
+            checkpointing.load_engine(engine, path, check=False, companions=companions)
             self._after_resume(step, path, failures)
             if failures:
                 note(f"resumed from {path.name}, an older checkpoint than the newest")

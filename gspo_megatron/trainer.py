@@ -19,11 +19,17 @@ from gspo_megatron.algorithms import (
     correct_mismatch,
     dapo_keep_indices,
     dupo_fill_indices,
+    explained_variance,
+    explained_variance_from_sums,
     finalize_metrics,
+    gae,
+    kl_estimate,
+    masked_whiten,
     overlong_filter_mask,
     prefilter_solved_prompts,
     rollout_metrics,
     soft_overlong_penalty,
+    token_rewards,
 )
 from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.config import RunConfig
@@ -69,6 +75,10 @@ class Trainer:
     engine / reference: `train_step`, `forward`, `layout.dp`, `model_config.is_moe`,
         `current_lr()`, `close()`, and `offload` / `reload` with trainer.offload_during_rollout
         (gspo_megatron.megatron.engine.TrainingEngine).
+    critic: PPO's value model with algorithm.advantage=gae (`forward` -> values,
+        `train_value_step`, `close`, `offload` / `reload`); saved with the policy.
+    reward_model: a learned reward model with reward.model_path (`score(prompts, responses)`,
+        collective; gspo_megatron.megatron.reward_model.RewardModel).
     rollout, weight_source: a RolloutEngine and what it syncs weights from, called through a
         RolloutDriver (rank 0 alone generates with server engines, and shares the samples).
     scorer, tokenizer, train_data, eval_data: rewards, text, prompts.
@@ -94,6 +104,8 @@ class Trainer:
         watchdog,
         weight_source: WeightSource | None = None,
         reference=None,
+        critic=None,
+        reward_model=None,
     ) -> None:
         self.cfg = cfg
         self.engine = engine
@@ -104,6 +116,8 @@ class Trainer:
         self.eval_data = eval_data
         self.weight_source = weight_source
         self.reference = reference
+        self.critic = critic
+        self.reward_model = reward_model
         self.ranks = ranks
         self.rank = ranks.rank
         self.files = checkpoints
@@ -225,6 +239,8 @@ class Trainer:
             return []
         # The embedded rollout engine generates with the policy's weights.
         engines = [(self.engine, what, self.cfg.rollout.engine == "embedded")]
+        if self.critic is not None:
+            engines.append((self.critic, what, False))
         if what == "all" and self.reference is not None:
             engines.append((self.reference, "all", False))
         return engines
@@ -338,8 +354,9 @@ class Trainer:
         batch.stats.update(stats)
         return batch
 
-    def score(self, batch: RolloutBatch) -> torch.Tensor:
-        """Rewards [groups, G] (+ DAPO's soft overlong penalty); scored on rank 0."""
+    def score(self, batch: RolloutBatch, *, with_model: bool = True) -> torch.Tensor:
+        """Rewards [groups, G] (+ DAPO's soft overlong penalty); the rule reward scored on rank
+        0, a reward model (`with_model`) on every rank."""
         flat = batch.flat()
         prompts = [p.prompt for p, g in zip(batch.prompts, batch.groups, strict=True) for _ in g]
         labels = [p.label for p, g in zip(batch.prompts, batch.groups, strict=True) for _ in g]
@@ -355,6 +372,8 @@ class Trainer:
         if self.episodes is not None:
             rewards, failed = _episode_rewards(rewards, flat)
             batch.failed_rewards += failed
+        if with_model and self.reward_model is not None:
+            rewards = self._with_model_scores(rewards, flat, stats)
         if "reward/time_s" in stats:
             stats["time/score"] = stats.pop("reward/time_s")
         batch.stats.update(stats)
@@ -372,6 +391,26 @@ class Trainer:
             rewards = rewards + penalty
         return rewards
 
+    def _with_model_scores(
+        self, rule: torch.Tensor, flat: Sequence[RolloutSample], stats: dict[str, float]
+    ) -> torch.Tensor:
+        """rule_weight x the rule reward + model_weight x the reward model's score of the whole
+        sequence (an episode's whole trajectory); a response with no token scores 0."""
+        r = self.cfg.reward
+        scored = [i for i, s in enumerate(flat) if s.response_ids]
+        model = torch.zeros(len(flat))
+        if scored:
+            values = self.reward_model.score(
+                [list(flat[i].prompt_ids) for i in scored],
+                [list(flat[i].response_ids) for i in scored],
+            )
+            model[scored] = torch.tensor(values, dtype=torch.float32)
+        model = model.view_as(rule)
+        stats["reward/rule_mean"] = float(rule.mean())
+        stats["reward/model_mean"] = float(model.mean())
+        stats["reward/model_std"] = float(model.std()) if model.numel() > 1 else 0.0
+        return r.rule_weight * rule + r.model_weight * model
+
     def response_text(self, sample: RolloutSample) -> str:
         """What the reward sees: every generated token but the final stop token, so special
         tokens the policy emits count against it instead of vanishing from the text. Of an
@@ -384,7 +423,11 @@ class Trainer:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group advantages [groups, G]; with GAE zeros here, and each token's own advantage
+        once the critic has valued the batch (prepare_training_inputs)."""
         alg = self.cfg.algorithm
+        if alg.advantage == "gae":
+            return torch.zeros_like(rewards)
         estimator = alg.advantage or get_policy_loss(alg.loss).advantage_estimator
         return ADVANTAGE_ESTIMATORS[estimator](rewards, eps=alg.advantage_eps)
 
@@ -467,7 +510,52 @@ class Trainer:
             ref = self.reference.forward(samples, replay_routes=alg.routing_replay != "off")
             for s, lp in zip(samples, ref.logprobs, strict=True):
                 s.ref_logprobs = lp.tolist()
+        if self.critic is not None:
+            rewards = batch.rewards.flatten().tolist()
+            kept = [r for s, r in zip(flat, rewards, strict=True) if s.response_ids]
+            self._gae_advantages(samples, kept, batch)
         batch.samples = samples
+
+    def _gae_advantages(
+        self, samples: list[TrainSample], rewards: list[float], batch: RolloutBatch
+    ) -> None:
+        """PPO's advantages: the critic values every state, each sample's reward lands on its
+        last trained token (minus the per-token KL penalty), and GAE runs over the trained
+        tokens; the samples get token advantages, the values and the returns."""
+        alg = self.cfg.algorithm
+        values = self.critic.forward(samples).values
+        lengths = [len(s.response_ids) for s in samples]
+        old_values, _ = _pad([v.tolist() for v in values])
+        mask, _ = _pad([s.loss_mask or [1.0] * n for s, n in zip(samples, lengths, strict=True)])
+        kl = None
+        if alg.kl_reward_coef:
+            # pi_old (the policy that sampled) against the initial policy, per token
+            old_lp, _ = _pad([s.old_logprobs for s in samples])
+            ref_lp, _ = _pad([s.ref_logprobs for s in samples])
+            kl = kl_estimate(old_lp, ref_lp, alg.kl_estimator)
+            batch.stats["reward/kl_penalty_mean"] = float(
+                alg.kl_reward_coef * (kl * mask).sum() / mask.sum().clamp(min=1.0)
+            )
+        per_token = token_rewards(
+            torch.tensor(rewards, dtype=torch.float64), mask, kl, alg.kl_reward_coef
+        )
+        advantages, returns = gae(per_token, old_values, mask, alg.gamma, alg.lam)
+        if alg.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+            s.advantage = advantages[i, :n].tolist()
+            s.old_values = old_values[i, :n].tolist()
+            s.returns = returns[i, :n].tolist()
+        trained = mask != 0
+        count = max(int(trained.sum()), 1)
+        batch.stats.update(
+            {
+                "advantage/token_abs_mean": float(advantages.abs()[trained].sum() / count),
+                "critic/values_mean": float(old_values[trained].sum() / count),
+                "critic/returns_mean": float(returns[trained].sum() / count),
+                "critic/explained_variance": explained_variance(old_values, returns, mask),
+            }
+        )
 
     def _mismatch_weights(
         self,
@@ -513,34 +601,37 @@ class Trainer:
         order = list(range(len(batch.samples)))
         random.Random(_derive_seed(self.cfg.seed, self.step, 101)).shuffle(order)
         count = min(alg.num_minibatches, len(order) // self.engine.layout.dp)
+        idle = {"optimizer_steps": 0.0, "skipped_steps": 0.0, "lr": self.engine.current_lr()}
         if count == 0:
-            return {"optimizer_steps": 0.0, "skipped_steps": 0.0, "lr": self.engine.current_lr()}
+            return idle
         bounds = [round(k * len(order) / count) for k in range(count + 1)]
-        per_step: list[dict[str, float]] = []
-        for k in range(count):
-            minibatch = [batch.samples[i] for i in order[bounds[k] : bounds[k + 1]]]
-            per_step.append(
-                self.engine.train_step(
-                    minibatch, self.loss, replay_routes=alg.routing_replay != "off"
-                )
-            )
-        merged = {}
-        for key in per_step[0]:
-            values = [m[key] for m in per_step if key in m]
-            combine = max if key.endswith("_max") else min if key.endswith("_min") else np.mean
-            merged[key] = float(combine(values))
+        minibatches = [
+            [batch.samples[i] for i in order[bounds[k] : bounds[k + 1]]] for k in range(count)
+        ]
+        critic = {}
+        if self.critic is not None:
+            clip = self.cfg.critic.value_clip or None
+            per_step = [self.critic.train_value_step(m, clip=clip) for m in minibatches]
+            for m in per_step:
+                # of the values each update step starts from (the batch's old values: below)
+                m["explained_variance_in_update"] = explained_variance_from_sums(m)
+                for key in [k for k in m if k.startswith("ev_")]:
+                    del m[key]
+            critic = {f"critic/{k}": v for k, v in _merge_optimizer_steps(per_step).items()}
+            if self.step < self.cfg.critic.warmup_steps:
+                return idle | critic
+        per_step = [
+            self.engine.train_step(m, self.loss, replay_routes=alg.routing_replay != "off")
+            for m in minibatches
+        ]
+        merged = _merge_optimizer_steps(per_step)
         # Route changes after k updates since the old-policy forward (the paper's per-update view).
         for k, m in enumerate(per_step):
             if "moe/route_change_fraction" in m:
                 merged[f"moe/route_change_fraction_after_{k}_updates"] = m[
                     "moe/route_change_fraction"
                 ]
-        merged["optimizer_steps"] = float(count)
-        merged["skipped_steps"] = float(sum(m.get("skipped", 0.0) for m in per_step))
-        merged.pop("skipped", None)
-        merged.pop("num_microbatches", None)
-        merged["lr"] = per_step[-1]["lr"]
-        return merged
+        return merged | critic
 
     def sync_weights(self) -> None:
         self.rollouts.update_weights(self.step + 1)
@@ -563,7 +654,7 @@ class Trainer:
         options = {} if self.pipeline is None else {"min_version": self.step, "urgent": True}
         groups = self._rollout_groups(prompts, r.eval_samples, params, **options)
         batch = RolloutBatch(prompts=prompts, groups=groups)
-        rewards = self.score(batch)
+        rewards = self.score(batch, with_model=False)
         solved = rewards >= 1.0
         return {
             f"eval/avg@{r.eval_samples}": float(rewards.mean()),
@@ -598,13 +689,19 @@ class Trainer:
             return self.pipeline.sampler_state()
         return self.sampler.state_dict()
 
+    def _companions(self) -> dict[str, object]:
+        """Engines checkpointed and resumed with the policy."""
+        return {"critic": self.critic} if self.critic is not None else {}
+
     def save(self) -> None:
         state = {"step": self.step, "sampler": self._sampler_state()}
-        self.files.save(self.engine, self.step, state)
+        self.files.save(self.engine, self.step, state, companions=self._companions())
         self._last_save = time.monotonic()
 
     def resume(self) -> None:
-        state = self.files.resume(self.engine, self.cfg.trainer.resume)
+        state = self.files.resume(
+            self.engine, self.cfg.trainer.resume, companions=self._companions()
+        )
         if state is None:
             # Records of an earlier attempt that left no checkpoint are moved aside, not repeated.
             self.log.rewind(0)
@@ -656,7 +753,9 @@ class Trainer:
         if self.episodes is not None:
             self.episodes.close()
         self.rollout.close()
-        for engine in (self.engine, self.reference):
+        if self.reward_model is not None:
+            self.reward_model.close()
+        for engine in (self.engine, self.reference, self.critic):
             if engine is not None:
                 engine.close()
 
@@ -702,6 +801,22 @@ def _episode_rewards(
     extra = torch.tensor([s.episode.env_reward for s in flat], dtype=rewards.dtype)
     total = torch.where(zero, 0.0, rewards + extra.view_as(rewards))
     return total, sum(f in ("error", "timeout") for f in failures)
+
+
+def _merge_optimizer_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """One RL step's optimizer steps as one record: means (extremes of *_max / *_min), the step
+    and skip counts, and the last learning rate."""
+    merged = {}
+    for key in per_step[0]:
+        values = [m[key] for m in per_step if key in m]
+        combine = max if key.endswith("_max") else min if key.endswith("_min") else np.mean
+        merged[key] = float(combine(values))
+    merged["optimizer_steps"] = float(len(per_step))
+    merged["skipped_steps"] = float(sum(m.get("skipped", 0.0) for m in per_step))
+    merged.pop("skipped", None)
+    merged.pop("num_microbatches", None)
+    merged["lr"] = per_step[-1]["lr"]
+    return merged
 
 
 def _derive_seed(seed: int, step: int, salt: int) -> int:

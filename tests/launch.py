@@ -158,15 +158,27 @@ def checkpoint_tensors(path: Path) -> dict:
     return state
 
 
-def hf_policy(path: Path, **changes) -> Path:
-    """A random Hugging Face Qwen3-MoE with the tiny_moe preset's architecture."""
+def hf_policy(path: Path, *, reward_model: bool = False, **changes) -> Path:
+    """A random Hugging Face Qwen3-MoE with the tiny_moe preset's architecture; with
+    `reward_model`, a *ForSequenceClassification with one label (a random score head)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+    )
 
     from gspo_megatron.spec.model_config import load_preset
 
     hf = load_preset("tiny_moe", **changes).to_hf()
     config = AutoConfig.for_model(hf.pop("model_type"), **hf)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    if not reward_model:
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        return path
+    config.num_labels = 1
+    config.pad_token_id = 0
+    model = AutoModelForSequenceClassification.from_config(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # scores of order 1, not ~0
+    model.save_pretrained(path)
     return path

@@ -3,7 +3,7 @@
     python tools/plot_metrics.py outputs/run_a outputs/run_b --out plots/
 
 Writes one PNG per metric family (reward, clip fraction, KL, response length, route changes,
-evaluation, entropy, multi-turn episodes), each with every run as a line. `--smooth N` averages
+evaluation, entropy, multi-turn episodes, PPO's critic), each with every run as a line. `--smooth N` averages
 over a trailing window.
 """
 
@@ -28,6 +28,7 @@ FIGURES = {
     "eval": ["eval/pass@1"],
     "entropy": ["actor/entropy"],
     "episodes": ["env/tool_call_rate", "env/turns_mean", "env/solved_with_tools"],
+    "critic": ["critic/loss", "critic/explained_variance"],
 }
 
 

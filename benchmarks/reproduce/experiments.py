@@ -58,6 +58,10 @@ METHODS: dict[str, Method] = {
     ),
     "gspo_token": Method("GSPO-token", ("algorithm=gspo_token",), "tab:cyan"),
     "sapo": Method("SAPO (τ+ 1.0, τ− 1.05)", ("algorithm=sapo",), "tab:green"),
+    # The baseline GRPO and GSPO replaced: a learned critic (the policy's architecture with a
+    # value head, its own Adam at lr 1e-3) and GAE instead of group advantages; the same samples
+    # and the same 4 policy optimizer steps per RL step (plus the critic's 4).
+    "ppo": Method("PPO + critic (GAE)", ("algorithm=ppo",), "tab:purple"),
 }
 
 
@@ -93,6 +97,13 @@ CLIP = Figure(
 ROUTES = Figure(
     "route_change", "moe/route_change_fraction", "tokens whose top-k experts changed", smooth=10
 )
+EXPLAINED_VARIANCE = Figure(
+    "explained_variance",
+    "critic/explained_variance",
+    "critic: explained variance of the returns (PPO only)",
+    smooth=10,
+    exclude=tuple(m for m in METHODS if m != "ppo"),
+)
 
 EXPERIMENTS: dict[str, Experiment] = {
     # (a) GSPO trains better than GRPO at equal compute (paper Fig. 1).
@@ -113,11 +124,17 @@ EXPERIMENTS: dict[str, Experiment] = {
         methods=("grpo", "grpo_rr", "gspo"),
         figures=(REWARD, HELDOUT, ROUTES),
     ),
-    # Every method and every figure: the full sweep behind the three experiments above.
+    # The baseline: PPO with a critic against the critic-free methods, at the same work.
+    "baseline": Experiment(
+        claim="PPO with a learned critic, the baseline GRPO and GSPO replaced",
+        methods=("ppo", "grpo", "gspo"),
+        figures=(REWARD, HELDOUT, EXPLAINED_VARIANCE),
+    ),
+    # Every method and every figure: the full sweep behind the experiments above.
     "all": Experiment(
         claim="all methods, all metrics",
         methods=tuple(METHODS),
-        figures=(REWARD, HELDOUT, ACCURACY, CLIP, ROUTES),
+        figures=(REWARD, HELDOUT, ACCURACY, CLIP, ROUTES, EXPLAINED_VARIANCE),
     ),
 }
 

@@ -31,8 +31,8 @@ class MicroBatch:
     """One micro-batch, already split for this CP rank.
 
     Model layout: tokens, position_ids, labels, has_label, routed_experts. Row layout: loss_mask,
-    advantages, old/ref log-probs, is_weights. `row_index` maps the flattened model layout to
-    the row layout (None when both are the same, i.e. padded).
+    advantages, old/ref log-probs, is_weights, old_values, returns. `row_index` maps the
+    flattened model layout to the row layout (None when both are the same, i.e. padded).
     """
 
     indices: list[int]  # positions of the samples in the caller's list
@@ -49,6 +49,8 @@ class MicroBatch:
     old_logprobs: torch.Tensor | None = None  # [b, s_row]
     ref_logprobs: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None  # [b, s_row], or [b] (one weight per sequence)
+    old_values: torch.Tensor | None = None  # [b, s_row], the critic's
+    returns: torch.Tensor | None = None  # [b, s_row]
     routed_experts: torch.Tensor | None = None  # model layout + [layers, top_k] int32
 
     @property
@@ -300,6 +302,8 @@ def build_microbatch(
         old_logprobs=to_rows(full["old_logprobs"]),
         ref_logprobs=to_rows(full["ref_logprobs"]),
         is_weights=to_rows(full["is_weights"]),
+        old_values=to_rows(full["old_values"]),
+        returns=to_rows(full["returns"]),
         routed_experts=to_model(full["routed_experts"]),
     )
 
@@ -374,6 +378,8 @@ def _padded_rows(
         "old_logprobs": aligned("old_logprobs"),
         "ref_logprobs": aligned("ref_logprobs"),
         "is_weights": sequence_weights if sequence_weights is not None else aligned("is_weights"),
+        "old_values": aligned("old_values"),
+        "returns": aligned("returns"),
         "routed_experts": routed,
     }
 

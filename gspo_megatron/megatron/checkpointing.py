@@ -6,7 +6,10 @@ optimizer), per-rank RNG states (`rng/rank_NNNNN.pt`, tensors and plain values o
 `weights_only=True`), `gspo_checkpoint.json` (gspo_megatron.checkpoint.meta) and
 `manifest.json` (size and SHA-256 of every other file, gspo_megatron.checkpoint.manifest). It is
 written under a temporary name; the manifest is the last file, then the directory is renamed, so
-a directory with the final name is complete unless its files were damaged since.
+a directory with the final name is complete unless its files were damaged since. Engines trained
+alongside the policy (PPO's critic) are saved as companions: a subdirectory each (`critic/`)
+with its own torch_dist checkpoint and metadata, covered by the one manifest, so the policy and
+its critic are published, validated and loaded together.
 
 Loading validates first (`validate`: metadata, architecture, layout, manifest sizes and
 checksums, split over the ranks), and every rank agrees on the verdict before any state is
@@ -22,7 +25,7 @@ import os
 import queue
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -83,50 +86,51 @@ def check_architecture(path: str | Path, model: ModelConfig) -> None:
 
 
 def save_engine(
-    engine, path: str | Path, *, extra: dict[str, Any] | None = None, with_optimizer: bool = True
+    engine,
+    path: str | Path,
+    *,
+    extra: dict[str, Any] | None = None,
+    with_optimizer: bool = True,
+    companions: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save model (+ optimizer) and RNG state, then the metadata and the manifest. Collective.
 
-    A failure on any rank raises CheckpointError on every rank, naming the file and the reason
-    (for storage errors, the OS's, e.g. "No space left on device"); the partial directory is
-    removed.
+    companions: name -> engine trained with this one (e.g. "critic"), each saved to
+    `path/name` with its own optimizer. A failure on any rank raises CheckpointError on every
+    rank, naming the file and the reason (for storage errors, the OS's, e.g. "No space left on
+    device"); the partial directory is removed.
     """
     final = Path(path)
     if final.exists():
         raise CheckpointError(f"{final}: checkpoint directory already exists")
-    engine.reload()  # a checkpoint holds the state itself, offloaded or not
+    companions = dict(companions or {})
     rank = dist.get_rank()
     tmp = final.parent / _broadcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         _on_rank0("create the directory", lambda: tmp.mkdir(parents=True), tmp)
         _use_thread_results_queue()
-        state = {"model": model_sharded_state_dict(engine.unwrapped_chunks)}
-        if with_optimizer:
-            state["optimizer"] = engine.optimizer.sharded_state_dict(
-                state["model"], metadata=_OPTIMIZER_METADATA
+        for name, saved in (("", engine), *companions.items()):
+            where = tmp / name
+            if name:
+                _on_rank0(f"create the {name} directory", where.mkdir, where)
+            saved.reload()  # a checkpoint holds the state itself, offloaded or not
+            state = _engine_state(saved, with_optimizer)
+            _on_every_rank(
+                f"write the {name or 'model'}'s weights and optimizer",
+                lambda state=state, where=where: dist_checkpointing.save(
+                    state, str(where), async_sharded_save=False
+                ),
+                tmp,
             )
-        _on_every_rank(
-            "write the model and optimizer",
-            lambda: dist_checkpointing.save(state, str(tmp), async_sharded_save=False),
-            tmp,
-        )
         rng_name = f"{RNG_DIR}/rank_{rank:05d}.pt"
 
         def write_rng_and_meta() -> None:
             (tmp / RNG_DIR).mkdir(exist_ok=True)
             _save_durably(_rng_state(), tmp / rng_name)
             if rank == 0:
-                write_meta(
-                    tmp,
-                    {
-                        "model": engine.model_config.to_dict(),
-                        "layout": dataclasses.asdict(engine.layout),
-                        "world_size": dist.get_world_size(),
-                        "steps_done": engine.steps_done,
-                        "with_optimizer": with_optimizer,
-                        "extra": extra or {},
-                    },
-                )
+                write_meta(tmp, _engine_meta(engine, with_optimizer, extra or {}))
+                for name, saved in companions.items():
+                    write_meta(tmp / name, _engine_meta(saved, with_optimizer, {}))
 
         _on_every_rank("write the RNG state and metadata", write_rng_and_meta, tmp)
         digests = _on_every_rank(
@@ -147,17 +151,39 @@ def save_engine(
     return final
 
 
+def _engine_state(engine, with_optimizer: bool) -> dict[str, Any]:
+    state = {"model": model_sharded_state_dict(engine.unwrapped_chunks)}
+    if with_optimizer:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            state["model"], metadata=_OPTIMIZER_METADATA
+        )
+    return state
+
+
+def _engine_meta(engine, with_optimizer: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": engine.model_config.to_dict(),
+        "value_head": engine.value_head,
+        "layout": dataclasses.asdict(engine.layout),
+        "world_size": dist.get_world_size(),
+        "steps_done": engine.steps_done,
+        "with_optimizer": with_optimizer,
+        "extra": extra,
+    }
+
+
 def _written_by(rank: int, root: Path) -> list[str]:
     """The files this rank wrote (still in its page cache): its DCP data files and RNG state;
-    rank 0 also the shared ones (.metadata, common state, metadata files)."""
-    own_prefixes = (f"__{rank}_", f"{RNG_DIR}/rank_{rank:05d}.pt")
-    shared = rank == 0
-    names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
-    return [
-        n
-        for n in names
-        if n.startswith(own_prefixes) or (shared and not n.startswith(("__", f"{RNG_DIR}/")))
-    ]
+    rank 0 also the shared ones (.metadata, common state, metadata files); companions' too."""
+    rng_file = f"{RNG_DIR}/rank_{rank:05d}.pt"
+
+    def mine(path: Path, name: str) -> bool:
+        if path.name.startswith("__") or name.startswith(f"{RNG_DIR}/"):
+            return path.name.startswith(f"__{rank}_") or name == rng_file
+        return rank == 0
+
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return [str(p.relative_to(root)) for p in files if mine(p, str(p.relative_to(root)))]
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -252,22 +278,37 @@ def _use_thread_results_queue() -> None:
 
 
 def validate(
-    engine, path: str | Path, *, with_optimizer: bool = True, require_manifest: bool = True
+    engine,
+    path: str | Path,
+    *,
+    with_optimizer: bool = True,
+    require_manifest: bool = True,
+    companions: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Check a checkpoint completely before anything is loaded from it. Collective.
 
-    Metadata, format, architecture and layout; the manifest: every file present with its size
-    (rank 0) and its SHA-256 (the files split over all ranks). Raises the same CheckpointError
-    on every rank, listing the problems, or returns the metadata.
+    Metadata, format, architecture and layout (of the engine and of each companion in its
+    subdirectory); the manifest: every file present with its size (rank 0) and its SHA-256 (the
+    files split over all ranks). Raises the same CheckpointError on every rank, listing the
+    problems, or returns the metadata.
     """
     path = Path(path)
     problems: list[str] = []
     meta: dict[str, Any] = {}
-    try:
-        meta = read_meta(path)
-        problems += _compatibility_problems(path, meta, engine, with_optimizer)
-    except CheckpointError as err:
-        problems.append(str(err))
+    for name, checked in (("", engine), *(companions or {}).items()):
+        where = path / name
+        if name and not (where / META_FILE).is_file():
+            problems.append(
+                f"holds no {name} ({name}/), which this run trains: it was written by a run "
+                f"without one; start from its policy weights with model.init_from={path}"
+            )
+            continue
+        try:
+            found = read_meta(where)
+            problems += _compatibility_problems(where, found, checked, with_optimizer)
+            meta = meta or found
+        except CheckpointError as err:
+            problems.append(str(err))
     if not problems:
         problems += _file_problems(path, require_manifest)
     _raise_if_any(path, problems)
@@ -316,6 +357,12 @@ def _compatibility_problems(path: Path, meta: dict, engine, with_optimizer: bool
     difference = architecture_difference(meta["model"], engine.model_config)
     if difference:
         problems.append(difference)
+    saved_value_head = meta.get("value_head", False)
+    if saved_value_head != engine.value_head:
+        kinds = {True: "a value model", False: "a policy"}
+        problems.append(
+            f"{path} holds {kinds[saved_value_head]}, loaded into {kinds[engine.value_head]}"
+        )
     if not with_optimizer:
         return problems
     version = meta.get("format_version")
@@ -344,19 +391,39 @@ def load_engine(
     with_optimizer: bool = True,
     restore_rng: bool = True,
     check: bool = True,
+    companions: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint saved on any layout into `engine`; returns the metadata. Collective.
+    """Load a checkpoint saved on any layout into `engine` (and each companion from its
+    subdirectory); returns the metadata. Collective.
 
     With `check` (default) the checkpoint is validated first (`validate`), so either all of it
     loads or none of it does. The optimizer step count, which the LR schedule is a function of,
     is set (never added to); the schedule's shape comes from the engine's own settings.
     """
     path = Path(path)
+    companions = dict(companions or {})
     meta = (
-        validate(engine, path, with_optimizer=with_optimizer, require_manifest=with_optimizer)
+        validate(
+            engine,
+            path,
+            with_optimizer=with_optimizer,
+            require_manifest=with_optimizer,
+            companions=companions,
+        )
         if check
         else read_meta(path)
     )
+    for name, loaded_into in (("", engine), *companions.items()):
+        _load_state(loaded_into, path / name, with_optimizer)
+    if restore_rng:
+        rng_file = path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
+        if meta.get("world_size") == dist.get_world_size() and rng_file.is_file():
+            with open(rng_file, "rb") as f:
+                _set_rng_state(load_weights_only(f, str(rng_file)))
+    return meta
+
+
+def _load_state(engine, path: Path, with_optimizer: bool) -> None:
     model_sd = model_sharded_state_dict(engine.unwrapped_chunks)
     state = {"model": model_sd}
     if with_optimizer:
@@ -370,16 +437,10 @@ def load_engine(
     if with_optimizer:
         engine.optimizer.load_state_dict(loaded["optimizer"])
         _untie_adam_step(engine.optimizer)
-        set_optimizer_steps(engine, int(meta["steps_done"]))
+        set_optimizer_steps(engine, int(read_meta(path)["steps_done"]))
     else:
         # Keep the optimizer's master copies in step with the loaded weights.
         engine.optimizer.reload_model_params()
-    if restore_rng:
-        rng_file = path / RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
-        if meta.get("world_size") == dist.get_world_size() and rng_file.is_file():
-            with open(rng_file, "rb") as f:
-                _set_rng_state(load_weights_only(f, str(rng_file)))
-    return meta
 
 
 def set_optimizer_steps(engine, steps: int) -> None:

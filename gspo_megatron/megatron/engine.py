@@ -29,6 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from gspo_megatron.algorithms.gae import value_loss_terms
 from gspo_megatron.algorithms.losses import denominator_count, policy_loss_terms
 from gspo_megatron.algorithms.metrics import finalize_metrics, metric_reduce_op
 from gspo_megatron.config_fields import raise_on_problems
@@ -56,7 +57,8 @@ from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 class ForwardResult:
     """Per-sample, response-aligned outputs of a forward pass (identical on every rank)."""
 
-    logprobs: list[np.ndarray]
+    logprobs: list[np.ndarray] | None = None  # a policy's
+    values: list[np.ndarray] | None = None  # a value model's: V of the state before each token
     entropy: list[np.ndarray] | None = None
     routes: list[np.ndarray] | None = None  # int16 [len-1, moe_layers, top_k]
 
@@ -81,6 +83,8 @@ class TrainingEngine:
     moe_aux_loss / moe_aux_loss_coef: the MoE load-balancing loss (algorithm.moe_aux_loss).
     A frozen engine (`frozen_copy`) holds weights only: no DDP gradient buffers, no optimizer;
     it can run `forward` (with routing replay) and nothing that trains.
+    value_head: a value model (PPO's critic) or reward model: the same architecture ending in a
+    scalar head (`model.ValueHead`); `forward` returns values, `train_value_step` trains it.
     """
 
     def __init__(
@@ -94,8 +98,10 @@ class TrainingEngine:
         moe_aux_loss: str = "none",
         moe_aux_loss_coef: float = 0.0,
         trainable: bool = True,
+        value_head: bool = False,
     ) -> None:
         self.model_config = model_config
+        self.value_head = value_head
         self.layout = layout
         self.settings = engine or EngineSettings()
         self.optim_settings = optimizer or OptimizerSettings()
@@ -125,7 +131,11 @@ class TrainingEngine:
         if model_config.is_moe:
             self.config.moe_enable_routing_replay = True
         chunks = build_model_chunks(
-            model_config, layout, config=self.config, use_te=self.settings.use_te
+            model_config,
+            layout,
+            config=self.config,
+            use_te=self.settings.use_te,
+            value_head=value_head,
         )
         if not trainable:
             for chunk in chunks:
@@ -154,11 +164,34 @@ class TrainingEngine:
     def frozen_copy(cls, policy: TrainingEngine) -> TrainingEngine:
         """A frozen engine holding `policy`'s current weights (the KL reference: the initial
         policy when called before training and before a resume loads a checkpoint)."""
-        frozen = cls(policy.model_config, policy.layout, policy.settings, trainable=False)
+        frozen = cls(
+            policy.model_config,
+            policy.layout,
+            policy.settings,
+            trainable=False,
+            value_head=policy.value_head,
+        )
         with torch.no_grad():
             for mine, theirs in zip(frozen.model, policy.unwrapped_chunks, strict=True):
                 mine.load_state_dict(theirs.state_dict())
         return frozen
+
+    def load_trunk_from(self, policy: TrainingEngine) -> None:
+        """A value model starting from a policy: every weight of `policy` but its output layer
+        (the vocabulary projection); the value head keeps its own. Same layout, collective-free.
+        """
+        if not self.value_head or policy.value_head:
+            raise RuntimeError("load_trunk_from copies a policy's trunk into a value model")
+        with torch.no_grad():
+            for mine, theirs in zip(self.unwrapped_chunks, policy.unwrapped_chunks, strict=True):
+                state = theirs.state_dict()
+                trunk = {k: v for k, v in state.items() if not k.startswith("output_layer.")}
+                missing, _ = mine.load_state_dict(trunk, strict=False)
+                left = [k for k in missing if not k.startswith("output_layer.")]
+                if left:
+                    raise RuntimeError(f"the policy has no weight for the value model's {left[0]}")
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     # -- construction -------------------------------------------------------------------------
 
@@ -296,7 +329,8 @@ class TrainingEngine:
         record_routes: bool = False,
         replay_routes: bool = False,
     ) -> ForwardResult:
-        """Per-token log-probs (and entropy) of the samples' responses; no gradients.
+        """Per-token log-probs (and entropy) of the samples' responses, or a value model's
+        values; no gradients.
 
         record_routes: also return each token's experts (routing replay R2). replay_routes:
         route with the samples' `routed_experts` (R3: the rollout engine's routes).
@@ -309,12 +343,16 @@ class TrainingEngine:
         replay = replay_routes and self.routes is not None
         outputs: list[dict] = []
 
-        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = self._token_logprobs(mb, logits, with_entropy)
-            out = {"indices": mb.indices, "seq_lengths": mb.seq_lengths, "logprobs": lp.detach()}
-            if ent is not None:
-                out["entropy"] = ent.detach()
-            return torch.zeros((), device=logits.device), torch.tensor(1), out
+        def loss_fn(mb: MicroBatch, output: torch.Tensor):
+            out = {"indices": mb.indices, "seq_lengths": mb.seq_lengths}
+            if self.value_head:
+                out["values"] = self._token_values(mb, output).detach()
+            else:
+                lp, ent = self._token_logprobs(mb, output, with_entropy)
+                out["logprobs"] = lp.detach()
+                if ent is not None:
+                    out["entropy"] = ent.detach()
+            return torch.zeros((), device=output.device), torch.tensor(1), out
 
         with torch.no_grad():
             per_mb = self._run_schedule(
@@ -329,9 +367,12 @@ class TrainingEngine:
         if self.trainable:
             for m in self.model:
                 m.train()
+        routes = self.routes.collect(samples, outputs) if want_routes else None
+        if self.value_head:
+            values = self._collect_per_token(samples, per_mb, "values")
+            return ForwardResult(values=values, routes=routes)
         logprobs = self._collect_per_token(samples, per_mb, "logprobs")
         entropy = self._collect_per_token(samples, per_mb, "entropy") if with_entropy else None
-        routes = self.routes.collect(samples, outputs) if want_routes else None
         return ForwardResult(logprobs=logprobs, entropy=entropy, routes=routes)
 
     def train_step(
@@ -342,22 +383,16 @@ class TrainingEngine:
         With `replay_routes`, MoE layers route with the samples' `routed_experts`; without it,
         given routes are only compared with the current ones (moe/route_change_fraction).
         """
-        if not self.trainable:
-            raise RuntimeError("a frozen engine (the KL reference) cannot train")
-        self._check_resident()
+        self._check_trainable(want_value_head=False)
         validate_samples(samples, self.settings.max_sequence_length)
         if any(s.old_logprobs is None for s in samples):
             raise ValueError("train_step needs old_logprobs on every sample")
         if loss.kl_coef and any(s.ref_logprobs is None for s in samples):
             raise ValueError("algorithm.kl_coef > 0 needs reference log-probs on every sample")
-        token_adv = any(isinstance(s.advantage, list) for s in samples)
-        denominator = self._global_denominator(samples, loss)
-        dp_cp = self.layout.dp * self.layout.cp
         seq_share = 1.0 / self.layout.cp
         cp_sum = self._cp_sum if self.layout.cp > 1 else None
-        num_mb_holder: list[int] = []
 
-        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+        def loss_terms(mb: MicroBatch, logits: torch.Tensor):
             lp, ent = self._token_logprobs(mb, logits, self.settings.entropy_metric)
             extra = {}
             if loss.kl_coef:
@@ -380,13 +415,74 @@ class TrainingEngine:
                 **loss.hparams,
                 **extra,
             )
-            scale = num_mb_holder[0] * dp_cp / denominator
-            logs = {key: value.detach().double() for key, value in terms.metric_sums.items()}
-            logs["loss_sum/sum"] = terms.loss_sum.detach().double()
+            logs = dict(terms.metric_sums)
             if ent is not None:
                 logs["entropy/sum"] = (ent.detach() * mb.loss_mask).sum().double()
                 logs["entropy/count"] = mb.loss_mask.sum().double()
-            return terms.loss_sum * scale, torch.tensor(1), logs
+            return terms.loss_sum, logs
+
+        return self._optimizer_step(
+            samples,
+            loss_terms,
+            self._global_denominator(samples, loss),
+            record_routes=not replay_routes and any(s.routed_experts is not None for s in samples),
+            replay_routes=replay_routes and self.routes is not None,
+        )
+
+    def train_value_step(
+        self, samples: Sequence[TrainSample], *, clip: float | None
+    ) -> dict[str, float]:
+        """One optimizer step of a value model on `samples` (each with old_values and returns):
+        PPO's value loss, clipped to `clip` around the old values (None: unclipped), averaged
+        over the minibatch's trained tokens (algorithms/gae.py)."""
+        self._check_trainable(want_value_head=True)
+        validate_samples(samples, self.settings.max_sequence_length)
+        if any(s.old_values is None or s.returns is None for s in samples):
+            raise ValueError("train_value_step needs old_values and returns on every sample")
+        # Tokens that train: nonzero mask entries, as value_loss_terms counts them.
+        tokens = sum(
+            len(s.response_ids) if s.loss_mask is None else sum(m != 0 for m in s.loss_mask)
+            for s in samples
+        )
+
+        def loss_terms(mb: MicroBatch, output: torch.Tensor):
+            values = self._token_values(mb, output)
+            terms = value_loss_terms(values, mb.old_values, mb.returns, mb.loss_mask, clip=clip)
+            return terms.loss_sum, dict(terms.metric_sums)
+
+        return self._optimizer_step(samples, loss_terms, float(max(tokens, 1)))
+
+    def _check_trainable(self, *, want_value_head: bool) -> None:
+        if not self.trainable:
+            raise RuntimeError("a frozen engine (the KL reference) cannot train")
+        if self.value_head != want_value_head:
+            raise RuntimeError(
+                "train_value_step trains a value model, train_step a policy; this engine is a "
+                + ("value model" if self.value_head else "policy")
+            )
+        self._check_resident()
+
+    def _optimizer_step(
+        self,
+        samples: Sequence[TrainSample],
+        loss_terms: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]],
+        denominator: float,
+        *,
+        record_routes: bool = False,
+        replay_routes: bool = False,
+    ) -> dict[str, float]:
+        """Run the schedule with `loss_terms(mb, output) -> (loss_sum, metric_sums)` in it,
+        normalised by the global `denominator` (§4 of docs/ARCHITECTURE.md), and take one
+        optimizer step unless a loss or gradient is non-finite."""
+        dp_cp = self.layout.dp * self.layout.cp
+        num_mb_holder: list[int] = []
+
+        def loss_fn(mb: MicroBatch, output: torch.Tensor):
+            loss_sum, metric_sums = loss_terms(mb, output)
+            scale = num_mb_holder[0] * dp_cp / denominator
+            logs = {key: value.detach().double() for key, value in metric_sums.items()}
+            logs["loss_sum/sum"] = loss_sum.detach().double()
+            return loss_sum * scale, torch.tensor(1), logs
 
         for m in self.model:
             m.zero_grad_buffer()
@@ -395,10 +491,11 @@ class TrainingEngine:
             samples,
             loss_fn,
             forward_only=False,
-            token_advantages=token_adv,
+            # the advantages travel in the micro-batch as the samples hold them
+            token_advantages=any(isinstance(s.advantage, list) for s in samples),
             num_microbatches_out=num_mb_holder,
-            record_routes=not replay_routes and any(s.routed_experts is not None for s in samples),
-            replay_routes=replay_routes and self.routes is not None,
+            record_routes=record_routes,
+            replay_routes=replay_routes,
         )
         metrics = finalize_metrics(self._reduce_metric_sums(per_mb))
         metrics["loss"] = metrics.pop("loss_sum") / denominator
@@ -442,6 +539,10 @@ class TrainingEngine:
             chunk_bytes=self.settings.logprob_chunk_bytes,
         )
         return mb.rows(logprobs), mb.rows(entropy) if entropy is not None else None
+
+    def _token_values(self, mb: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+        """A value head's output ([b, s, 1] or [1, T, 1]) in the row layout, in float32."""
+        return mb.rows(output[..., 0].float())
 
     def _microbatches(
         self, samples: Sequence[TrainSample], token_advantages: bool

@@ -83,6 +83,10 @@ class RewardConfig:
     max_failure_fraction / max_failing_steps: the run stops (after a checkpoint) when more than
     this fraction of reward calls failed or timed out in each of that many consecutive steps;
     max_failure_fraction=1 never stops.
+    model_path: a learned reward model (a Hugging Face *ForSequenceClassification directory
+    with one label, or a gspo-megatron checkpoint of one), scored on the trainer's ranks; the
+    reward is then rule_weight x the rule reward above + model_weight x the model's score.
+    Evaluation reports the rule reward.
     """
 
     name: str = "synthetic"
@@ -92,6 +96,9 @@ class RewardConfig:
     executor: str = choice(*EXECUTORS)
     max_failure_fraction: float = bounded(0.5, ge=0, le=1)
     max_failing_steps: int = bounded(10, ge=1)
+    model_path: str | None = None
+    model_weight: float = 1.0
+    rule_weight: float = bounded(1.0, ge=0)
 
     def validate(self) -> None:
         raise_on_problems(self, "reward")

@@ -23,6 +23,10 @@ class TrainSample:
     # Train/rollout mismatch weights: one per response token, or one for the whole sequence
     # (sequence and geometric levels; the only form sequence-ratio losses take); None = 1.
     is_weights: float | list[float] | None = None
+    # PPO's critic: the value model's predictions when the batch was generated, and the GAE
+    # returns it regresses on (one per response token).
+    old_values: list[float] | None = None
+    returns: list[float] | None = None
     # int32 [prompt_len + response_len - 1, num_moe_layers, top_k]: experts chosen for every
     # consumed token (routing replay); None when not replaying.
     routed_experts: np.ndarray | None = field(default=None, repr=False)
@@ -47,7 +51,15 @@ def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
                 f"maximum sequence length {max_length} (engine.max_sequence_length)"
             )
         n = len(sample.response_ids)
-        for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_mask", "is_weights"):
+        for name in (
+            "old_logprobs",
+            "ref_logprobs",
+            "rollout_logprobs",
+            "loss_mask",
+            "is_weights",
+            "old_values",
+            "returns",
+        ):
             values = getattr(sample, name)
             if isinstance(values, list | tuple) and len(values) != n:
                 raise ValueError(

@@ -1,7 +1,7 @@
 """The reproduction commands (benchmarks/reproduce/) and the TRL benchmark's loss check.
 
 The smoke test runs every experiment command for 2 steps with small batches; the runs are shared
-between experiments, so the five methods train once and the other commands only report.
+between experiments, so the six methods train once and the other commands only report.
 """
 
 from __future__ import annotations
@@ -108,9 +108,9 @@ def test_every_reproduction_command_runs(tmp_path, capsys):
     out = tmp_path / "runs"
     common = ["--smoke", "--steps", "2", "--seeds", "0", "--out", str(out)]
     first = _run(["all", "--jobs", "2", *common])  # one-thread runs: two at once on two cores
-    assert "5 run(s) to train" in first.stdout
+    assert "6 run(s) to train" in first.stdout
     run = _module("run")
-    for name in ("efficiency", "clipping", "routing_replay"):
+    for name in ("efficiency", "clipping", "routing_replay", "baseline"):
         # In this process: these commands only report, a process each would add only start-up.
         assert run.main([name, *common]) == 0
         stdout = capsys.readouterr().out
@@ -118,7 +118,7 @@ def test_every_reproduction_command_runs(tmp_path, capsys):
         assert (out / f"{name}_summary.json").is_file()
         assert (out / "figures" / f"{name}_reward.png").is_file()
     summary = json.loads((out / "all_summary.json").read_text())["methods"]
-    assert set(summary) == {"gspo", "grpo", "grpo_rr", "gspo_token", "sapo"}
+    assert set(summary) == {"gspo", "grpo", "grpo_rr", "gspo_token", "sapo", "ppo"}
     for method in summary:
         records = [
             json.loads(line)
@@ -128,6 +128,8 @@ def test_every_reproduction_command_runs(tmp_path, capsys):
         for key in ("reward/mean", "actor/clip_fraction", "moe/route_change_fraction"):
             assert key in records[-1], (method, key)
         assert "eval/pass@1" in records[-1]
+        assert ("critic/explained_variance" in records[-1]) == (method == "ppo")
+    assert (out / "figures" / "baseline_explained_variance.png").is_file()
     config = json.loads((out / "grpo_rr" / "seed0" / "run_config.json").read_text())
     assert config["algorithm"]["routing_replay"] == "r2"
     assert config["algorithm"]["num_minibatches"] == 4

@@ -25,6 +25,7 @@ def write_run(path, scale):
                         "response/length_mean": 4.0,
                         "moe/route_change_fraction": 0.05,
                         "env/tool_call_rate": step / 20,
+                        "critic/explained_variance": 1 - 1 / step,
                     }
                 )
                 + "\n"
@@ -43,7 +44,7 @@ def test_overlays_runs_into_pngs(tmp_path):
     )
     names = sorted(p.name for p in out.iterdir())
     assert names == [
-        "clip_fraction.png", "episodes.png", "response_length.png", "reward.png",
+        "clip_fraction.png", "critic.png", "episodes.png", "response_length.png", "reward.png",
         "route_change.png",
     ]  # fmt: skip
     assert all((out / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)

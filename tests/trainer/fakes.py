@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from gspo_megatron import CONF_DIR
+from gspo_megatron.algorithms.gae import value_loss_terms
 from gspo_megatron.algorithms.losses import policy_loss
+from gspo_megatron.algorithms.metrics import finalize_metrics
 from gspo_megatron.rollout.engine import RolloutSample, SamplingParams
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.sample import TrainSample, validate_samples
@@ -209,7 +211,8 @@ class Journal:
 
 @dataclass
 class FakeForwardResult:
-    logprobs: list[np.ndarray]
+    logprobs: list[np.ndarray] | None = None
+    values: list[np.ndarray] | None = None  # a value model's
     entropy: list[np.ndarray] | None = None
     routes: list[np.ndarray] | None = None  # int16 [len-1, layers, top_k], as the real engine
 
@@ -456,6 +459,103 @@ class FakePolicy:
         return frozen
 
 
+@dataclass
+class ValueTrainCall:
+    samples: list[TrainSample]
+    clip: float | None
+    params_before: torch.Tensor
+    metrics: dict[str, float]
+
+
+class FakeCritic:
+    """PPO's value model in miniature, with the engine's value interface: the value of the
+    state before a response token is `table[the token before it]` (float64), trained by SGD on
+    the real clipped value loss (algorithms/gae.py) averaged over the minibatch's tokens."""
+
+    def __init__(
+        self, vocab_size: int, *, max_sequence_length: int, lr: float, journal: Journal, seed=0
+    ) -> None:
+        g = torch.Generator().manual_seed(seed + 1)
+        self.table = torch.nn.Parameter(0.1 * torch.randn(vocab_size, generator=g).double())
+        self.max_sequence_length = max_sequence_length
+        self.lr = lr
+        self.journal = journal
+        self.name = "critic"
+        self.value_head = True
+        self.steps_done = 0
+        self.offloaded = False
+
+    def _values(self, samples: Sequence[TrainSample]) -> torch.Tensor:
+        width = max(len(s.response_ids) for s in samples)
+        prev = [
+            (s.prompt_ids + s.response_ids)[len(s.prompt_ids) - 1 : -1]
+            + [0] * (width - len(s.response_ids))
+            for s in samples
+        ]
+        return self.table[torch.tensor(prev)]
+
+    def forward(self, samples: Sequence[TrainSample], **unused) -> FakeForwardResult:
+        if self.offloaded:
+            raise RuntimeError("the critic's state is offloaded")
+        validate_samples(samples, self.max_sequence_length)
+        with torch.no_grad():
+            values = self._values(samples)
+        result = FakeForwardResult(
+            values=[values[i, : len(s.response_ids)].numpy().copy() for i, s in enumerate(samples)]
+        )
+        self.journal.add(
+            "forward", ForwardCall(self.name, list(samples), False, False, False, result)
+        )
+        return result
+
+    def train_value_step(self, samples: Sequence[TrainSample], *, clip: float | None):
+        if self.offloaded:
+            raise RuntimeError("the critic's state is offloaded")
+        validate_samples(samples, self.max_sequence_length)
+        shape = (len(samples), max(len(s.response_ids) for s in samples))
+        mask = _pad([s.loss_mask or [1.0] * len(s.response_ids) for s in samples], shape)
+        terms = value_loss_terms(
+            self._values(samples),
+            _pad([s.old_values for s in samples], shape),
+            _pad([s.returns for s in samples], shape),
+            mask,
+            clip=clip,
+        )
+        before = self.table.detach().clone()
+        loss = terms.loss_sum / mask.sum().clamp(min=1.0)
+        (grad,) = torch.autograd.grad(loss, self.table)
+        with torch.no_grad():
+            self.table -= self.lr * grad
+        self.steps_done += 1
+        out = finalize_metrics(terms.metric_sums)
+        out.update(
+            loss=float(loss.detach()), lr=self.lr, grad_norm=float(grad.norm()), skipped=0.0,
+            num_microbatches=1.0,
+        )  # fmt: skip
+        self.journal.add("value_train", ValueTrainCall(list(samples), clip, before, dict(out)))
+        return out
+
+    def offload(self, what: str, *, keep_weights: bool) -> dict[str, float]:
+        self.journal.add("offload", OffloadCall(self.name, what, keep_weights))
+        self.offloaded = True
+        return {"offload_bytes": float(self.table.numel() * 8)}
+
+    def reload(self) -> dict[str, float]:
+        self.journal.add("reload", OffloadCall(self.name, None))
+        self.offloaded = False
+        return {}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"table": self.table.detach().clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.table.copy_(state["table"])
+
+    def close(self) -> None:
+        self.journal.add("close", self.name)
+
+
 def top_k_routes(router: torch.Tensor, k: int) -> torch.Tensor:
     """[vocab, layers, k]: each token's k highest-scoring experts per layer, in ascending id."""
     return router.topk(k, dim=-1).indices.sort(dim=-1).values
@@ -697,14 +797,17 @@ class MemoryCheckpoints:
     def __init__(self) -> None:
         self.saved: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
-    def save(self, engine: FakePolicy, step: int, state: dict[str, Any]) -> None:
-        self.saved[step] = (copy.deepcopy(state), engine.state_dict())
+    def save(self, engine: FakePolicy, step: int, state: dict[str, Any], companions) -> None:
+        weights = {"": engine.state_dict()}
+        weights.update({name: e.state_dict() for name, e in companions.items()})
+        self.saved[step] = (copy.deepcopy(state), weights)
 
-    def resume(self, engine: FakePolicy, mode: str) -> dict[str, Any] | None:
+    def resume(self, engine: FakePolicy, mode: str, companions) -> dict[str, Any] | None:
         if mode == "never" or not self.saved:
             return None
         state, weights = self.saved[max(self.saved)]
-        engine.load_state_dict(weights)
+        for name, e in {"": engine, **companions}.items():
+            e.load_state_dict(weights[name])
         return copy.deepcopy(state)
 
 
@@ -728,6 +831,7 @@ class FakeRun:
     trainer: Any
     policy: FakePolicy
     reference: FakePolicy | None
+    critic: FakeCritic | None
     rollout: FakeRollout
     log: MemoryLog
     checkpoints: MemoryCheckpoints
@@ -780,7 +884,17 @@ def build_fake_run(
         journal=journal,
     )
     # The initial policy, frozen, as build_trainer makes it.
-    reference = policy.frozen_copy() if cfg.algorithm.kl_coef > 0 else None
+    alg = cfg.algorithm
+    reference = policy.frozen_copy() if alg.kl_coef > 0 or alg.kl_reward_coef > 0 else None
+    critic = None
+    if alg.advantage == "gae":
+        critic = FakeCritic(
+            model.vocab_size,
+            max_sequence_length=cfg.engine.max_sequence_length,
+            lr=cfg.critic.optimizer.lr,
+            journal=journal,
+            seed=cfg.seed,
+        )
     rollout = (FakeRollout if cfg.rollout.mode == "sync" else FakeGeneratorProcess)(
         policy, record_routes=cfg.algorithm.routing_replay == "r3", logprob_noise=logprob_noise
     )
@@ -789,6 +903,7 @@ def build_fake_run(
         trainer=None,
         policy=policy,
         reference=reference,
+        critic=critic,
         rollout=rollout,
         log=MemoryLog(),
         checkpoints=checkpoints if checkpoints is not None else MemoryCheckpoints(),
@@ -811,5 +926,6 @@ def build_fake_run(
         watchdog=run.watchdog,
         weight_source=None,
         reference=reference,
+        critic=critic,
     )
     return run

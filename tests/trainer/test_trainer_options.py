@@ -30,6 +30,7 @@ AGGREGATION = {
     "grpo": "seq_mean",
     "sapo": "seq_mean",
     "dr_grpo": "seq_constant",
+    "ppo": "token",
     "dapo": "token",
     "cispo": "token",
 }
@@ -154,7 +155,7 @@ def reference_loss(policy, call) -> float:
                 r = math.exp(_clamp(log_r[t]))
                 if name == "gspo_token":
                     value = -_ppo(seq_ratio, adv[t], lo, hi)
-                elif name in ("grpo", "dapo", "dr_grpo"):
+                elif name in ("ppo", "grpo", "dapo", "dr_grpo"):
                     value = -_ppo(r, adv[t], lo, hi, hp.get("clip_c"))
                 elif name == "sapo":
                     tau = hp["tau_pos"] if adv[t] > 0 else hp["tau_neg"]
@@ -224,8 +225,60 @@ def _step_calls(events, kind: str, engine: str | None = None) -> list:
     return [c for k, c in events if k == kind and (engine is None or c.engine == engine)]
 
 
+def expected_gae(rewards, values, masks, gamma, lam) -> tuple[list, list]:
+    """Per sample: GAE over its trained tokens (the reward at the last one), returns."""
+    advantages, returns = [], []
+    for reward, v, m in zip(rewards, values, masks, strict=True):
+        steps = [t for t, keep in enumerate(m) if keep]
+        adv, ret = [0.0] * len(m), [0.0] * len(m)
+        following, next_value = 0.0, 0.0
+        for k in reversed(range(len(steps))):
+            t = steps[k]
+            r = reward if k == len(steps) - 1 else 0.0
+            following = r + gamma * next_value - v[t] + gamma * lam * following
+            adv[t], ret[t], next_value = following, following + v[t], v[t]
+        advantages.append(adv)
+        returns.append(ret)
+    return advantages, returns
+
+
+def check_gae_advantages(run: FakeRun, events) -> None:
+    """The critic's values of the step's batch -> GAE -> (whitened over the batch's tokens)."""
+    alg = run.cfg.algorithm
+    (forward,) = _step_calls(events, "forward", "critic")
+    rewards = {}
+    for call in _step_calls(events, "generate"):
+        for group in call.groups:
+            rewards.update(zip(map(_key, group), group_rewards(run, group), strict=True))
+    samples = forward.samples
+    masks = [s.loss_mask or [1.0] * len(s.response_ids) for s in samples]
+    values = [v.tolist() for v in forward.result.values]
+    # the trainer holds rewards in float32
+    step_rewards = [float(np.float32(rewards[_key(s)])) for s in samples]
+    adv, ret = expected_gae(step_rewards, values, masks, alg.gamma, alg.lam)
+    trained = [
+        a for row, m in zip(adv, masks, strict=True) for a, k in zip(row, m, strict=True) if k
+    ]
+    mean, std = 0.0, 1.0
+    if alg.whiten_advantages:
+        mean = sum(trained) / len(trained)
+        std = math.sqrt(sum((a - mean) ** 2 for a in trained) / (len(trained) - 1) + 1e-8)
+    for s, a, r, v, m in zip(samples, adv, ret, values, masks, strict=True):
+        whitened = [(x - mean) / std if k else 0.0 for x, k in zip(a, m, strict=True)]
+        assert s.advantage == pytest.approx(whitened, rel=1e-9, abs=1e-9)
+        assert s.returns == pytest.approx(
+            [x if k else 0.0 for x, k in zip(r, m, strict=True)], abs=1e-12
+        )
+        assert s.old_values == v
+    trains = _step_calls(events, "train")
+    assert {id(s) for c in trains for s in c.samples} == {id(s) for s in samples}
+
+
 def check_advantages(run: FakeRun, events) -> None:
     alg = run.cfg.algorithm
+    if alg.advantage == "gae":
+        check_gae_advantages(run, events)
+        return
     estimator = alg.advantage or POLICY_LOSSES[alg.loss].advantage_estimator
     expected: dict[tuple, float] = {}
     for call in _step_calls(events, "generate"):
