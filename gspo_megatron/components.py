@@ -145,7 +145,10 @@ def check_value_model(path: str, model: ModelConfig, key: str) -> None:
         difference = architecture_difference(read_model_config(path).to_dict(), model)
         check_head(path, model, value_head=True)
     except (ValueError, CheckpointError) as err:
-        raise ConfigError(f"{key}={path}: {err}") from err
+        raise ConfigError(
+            f"{key}={path}: {err}. A critic starts from the policy's weights when "
+            f"{key} is null"
+        ) from err
     if difference:
         raise ConfigError(f"{key}={path}: {difference}")
 

@@ -192,6 +192,11 @@ class PlanSettings:
     # A frozen copy of the initial policy for the KL penalty (algorithm.kl_coef > 0): weights
     # only, no gradients or optimizer state.
     reference_model: bool = False
+    # PPO's value model (algorithm.advantage=gae): the policy's architecture with weights,
+    # gradients and optimizer state of its own, counted as the policy's (its scalar head for the
+    # vocabulary projection: a slight overestimate). It trains after the policy, one minibatch
+    # at a time, so its activations reuse the policy's.
+    critic_model: bool = False
     offload_during_rollout: str = "none"  # none | optimizer | all (trainer.offload_during_rollout)
 
     def __post_init__(self) -> None:
@@ -270,6 +275,8 @@ class RankMemory:
     params: StageParams
     weights: float
     reference: float  # the frozen KL reference's weights (0 without one)
+    critic: float  # PPO's value model: weights, gradients and optimizer state (0 without one)
+    critic_optimizer: float  # of which its optimizer state
     grads: float
     optimizer: float
     activations_full: float  # without recomputation
@@ -284,7 +291,7 @@ class RankMemory:
 
     @property
     def static(self) -> float:
-        return self.weights + self.reference + self.grads + self.optimizer
+        return self.weights + self.reference + self.critic + self.grads + self.optimizer
 
     @property
     def training_peak(self) -> float:
@@ -332,7 +339,8 @@ class MemoryPlan:
     def table(self) -> str:
         s = self.settings
         rows = [
-            f"{'stage':>5} {'ranks':>11} {'params':>8} {'weights':>8} {'ref':>6} {'grads':>7} "
+            f"{'stage':>5} {'ranks':>11} {'params':>8} {'weights':>8} {'ref':>6} {'critic':>6} "
+            f"{'grads':>7} "
             f"{'optim':>7} {'act':>7} {'act(rc)':>7} {'rollout':>7} {'other':>6} "
             f"{'train':>7} {'gen':>7}  (GiB)"
         ]
@@ -341,7 +349,7 @@ class MemoryPlan:
             rows.append(
                 f"{r.stage:>5} {f'{r.ranks[0]}-{r.ranks[1]}':>11} "
                 f"{_count(r.params.total):>8} {r.weights:>8.1f} {r.reference:>6.1f} "
-                f"{r.grads:>7.1f} "
+                f"{r.critic:>6.1f} {r.grads:>7.1f} "
                 f"{r.optimizer:>7.1f} {r.activations_full:>7.1f} {r.activations_recompute:>7.1f} "
                 f"{rollout:>7.1f} {r.overhead + r.fragmentation:>6.1f} "
                 f"{r.training_peak:>7.1f} {r.generation_peak:>7.1f}"
@@ -377,6 +385,8 @@ class MemoryPlan:
                     f"; the KL reference's weights take {w.reference:.1f} GiB of it "
                     "(algorithm.kl_coef=0 drops the reference)"
                 )
+            if w.critic:
+                tip += f"; PPO's critic takes {w.critic:.1f} GiB of it"
             return tip
         tips = []
         if not s.recompute and w.activations_full > w.activations_recompute:
@@ -416,6 +426,7 @@ class MemoryPlan:
                     "expert_params": r.params.expert,
                     "weights_gib": r.weights,
                     "reference_gib": r.reference,
+                    "critic_gib": r.critic,
                     "grads_gib": r.grads,
                     "optimizer_gib": r.optimizer,
                     "activations_gib": r.activations,
@@ -464,12 +475,17 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
         reference = weights if settings.reference_model else 0.0
         grads = params.total * 4 / GIB
         optimizer = optim_bytes * (params.dense / dense_shard + params.expert / expert_shard) / GIB
+        critic = (weights + grads + optimizer) if settings.critic_model else 0.0
+        critic_optimizer = optimizer if settings.critic_model else 0.0
         offloaded = 0.0
         if settings.offload_during_rollout != "none":
-            offloaded = optimizer
+            offloaded = optimizer + critic_optimizer
         if settings.offload_during_rollout == "all":
             offloaded += (
-                grads + reference + (0.0 if settings.rollout.mode == "embedded" else weights)
+                grads
+                + reference
+                + (critic - critic_optimizer)
+                + (0.0 if settings.rollout.mode == "embedded" else weights)
             )
         stages.append(
             RankMemory(
@@ -478,6 +494,8 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
                 params=params,
                 weights=weights,
                 reference=reference,
+                critic=critic,
+                critic_optimizer=critic_optimizer,
                 grads=grads,
                 optimizer=optimizer,
                 activations_full=full / GIB,
@@ -548,7 +566,8 @@ def settings_from_config(
         rollout=rollout_share_from_config(rollout),
         moe_imbalance=moe_imbalance,
         overhead_gib=overhead_gib,
-        reference_model=alg.kl_coef > 0,
+        reference_model=alg.kl_coef > 0 or alg.kl_reward_coef > 0,
+        critic_model=alg.advantage == "gae",
         offload_during_rollout=run_cfg.trainer.offload_during_rollout,
     )
 

@@ -3,8 +3,8 @@
     python tools/plot_metrics.py outputs/run_a outputs/run_b --out plots/
 
 Writes one PNG per metric family (reward, clip fraction, KL, response length, route changes,
-evaluation, entropy, multi-turn episodes, PPO's critic), each with every run as a line. `--smooth N` averages
-over a trailing window.
+evaluation, entropy, multi-turn episodes, PPO's critic), each with every run as a line.
+`--smooth N` averages over a trailing window.
 """
 
 from __future__ import annotations

@@ -102,6 +102,13 @@ class RewardConfig:
 
     def validate(self) -> None:
         raise_on_problems(self, "reward")
+        if self.model_path is None:
+            for key in ("model_weight", "rule_weight"):
+                if getattr(self, key) != 1.0:
+                    raise ValueError(
+                        f"reward.{key} is set but there is no reward model to weigh against "
+                        "the rule reward: set reward.model_path"
+                    )
         if ":" not in self.name and self.name not in REWARDS:
             raise ValueError(
                 f"unknown reward.name={self.name!r}; choose one of {sorted(REWARDS)} or give "

@@ -187,6 +187,28 @@ def test_offload_during_rollout_frees_the_chosen_state_while_generating(rollout)
         PlanSettings(micro_batch_tokens=1, offload_during_rollout="weights")
 
 
+def test_ppo_critic_counts_a_second_trained_model():
+    common = dict(micro_batch_tokens=8192, tp=2, pp=2, sequence_parallel=True, ep=8)
+    alone = _plan("qwen3_30b_a3b", 16, **common)
+    ppo = _plan("qwen3_30b_a3b", 16, critic_model=True, **common)
+    offloaded = _plan(
+        "qwen3_30b_a3b", 16, critic_model=True, offload_during_rollout="optimizer", **common
+    )
+    for a, b, c in zip(alone.stages, ppo.stages, offloaded.stages, strict=True):
+        assert b.critic == pytest.approx(a.weights + a.grads + a.optimizer)
+        assert b.static == pytest.approx(a.static + b.critic)
+        assert b.activations == a.activations  # it trains after the policy
+        assert c.offloaded == pytest.approx(2 * a.optimizer)
+    assert ppo.worst.peak > alone.worst.peak
+    assert "critic" in ppo.table()
+    from gspo_megatron.config import compose, resolve
+    from gspo_megatron.memory_plan import settings_from_config
+
+    cfg, model, layout = resolve(compose(["algorithm=ppo", "algorithm.kl_reward_coef=0.1"]))
+    settings = settings_from_config(cfg, model, layout, gpu_memory_gib=80)
+    assert settings.critic_model and settings.reference_model
+
+
 def test_worst_rank_is_reported():
     p = _plan(
         "qwen3_30b_a3b", 16, micro_batch_tokens=18432, tp=2, pp=2, ep=8, sequence_parallel=True

@@ -190,3 +190,33 @@ def test_critic_settings_without_gae_are_refused(composer, override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=f"{key} is set but only PPO"):
         composer.resolve("algorithm=grpo", *SMALL, override)
+
+
+@pytest.mark.parametrize("key", ["reward.model_weight", "reward.rule_weight"])
+def test_reward_weights_without_a_reward_model_are_refused(composer, key):
+    with pytest.raises(ConfigError, match=f"{key} is set but there is no reward model"):
+        composer.resolve(*PPO, f"{key}=0.5")
+
+
+def test_reward_models_that_do_not_fit_are_refused_before_building(tmp_path):
+    """gspo-train names reward.model_path and the reason, before any model is built: a policy
+    checkpoint (no score head), and a reward model whose vocabulary misses the tokenizer's ids."""
+    from launch import gspo_train, hf_policy
+
+    policy = hf_policy(tmp_path / "policy")
+    rm = hf_policy(tmp_path / "rm", reward_model=True, vocab_size=16)
+    for path, reason in ((policy, "score.weight"), (rm, "the tokenizer")):
+        proc = gspo_train(
+            tmp_path / f"run_{path.name}", "algorithm=ppo", f"reward.model_path={path}",
+            "trainer.steps=1", expect="failure",
+        )  # fmt: skip
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("gspo-train: config error")]
+        assert f"reward.model_path={path}: " in line and reason in line, line
+    proc = gspo_train(
+        tmp_path / "run_critic", "algorithm=ppo", f"critic.init_from={policy}",
+        "trainer.steps=1", expect="failure",
+    )  # fmt: skip
+    assert f"critic.init_from={policy}: " in proc.stderr and "score.weight" in proc.stderr
+    assert "A critic starts from the policy's weights when critic.init_from is null" in (
+        proc.stderr
+    )
