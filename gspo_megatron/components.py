@@ -146,8 +146,7 @@ def check_value_model(path: str, model: ModelConfig, key: str) -> None:
         check_head(path, model, value_head=True)
     except (ValueError, CheckpointError) as err:
         raise ConfigError(
-            f"{key}={path}: {err}. A critic starts from the policy's weights when "
-            f"{key} is null"
+            f"{key}={path}: {err}. A critic starts from the policy's weights when {key} is null"
         ) from err
     if difference:
         raise ConfigError(f"{key}={path}: {difference}")
