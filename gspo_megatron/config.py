@@ -521,9 +521,9 @@ def _check_critic(cfg: RunConfig) -> None:
             if getattr(alg, name) != getattr(defaults, name)
         ]
         unused += [
-            f"critic.{name}"
-            for name in ("init_from", "warmup_steps")
-            if getattr(critic, name) != getattr(CriticSection(), name)
+            f"critic.{f.name}"
+            for f in dataclasses.fields(CriticSection)
+            if getattr(critic, f.name) != getattr(CriticSection(), f.name)
         ]
         if unused:
             raise ConfigError(

@@ -673,7 +673,7 @@ class Trainer:
             / max(timings["generate"], 1e-9),
             "perf/train_tokens_per_s": train_tokens / max(timings["train"], 1e-9),
         }
-        if batch.groups:
+        if batch.groups and self.critic is None:  # GAE's: advantage/token_abs_mean
             metrics["advantage/abs_mean"] = float(batch.advantages.abs().mean())
         metrics.update({k if "/" in k else f"actor/{k}": v for k, v in train.items()})
         metrics.update({f"time/{k}": v for k, v in timings.items()})

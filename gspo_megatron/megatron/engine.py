@@ -454,7 +454,7 @@ class TrainingEngine:
 
     def _check_trainable(self, *, want_value_head: bool) -> None:
         if not self.trainable:
-            raise RuntimeError("a frozen engine (the KL reference) cannot train")
+            raise RuntimeError("a frozen engine (the KL reference, a reward model) cannot train")
         if self.value_head != want_value_head:
             raise RuntimeError(
                 "train_value_step trains a value model, train_step a policy; this engine is a "

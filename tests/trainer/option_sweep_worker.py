@@ -46,6 +46,7 @@ KEYS = (
     "reward/mean",
     "sampling/groups_used",
     "moe/max_expert_load_over_mean",
+    "critic/loss",
 )
 
 

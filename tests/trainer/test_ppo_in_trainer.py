@@ -177,17 +177,18 @@ def test_refused_ppo_configurations(composer, overrides, fragment):
 
 
 @pytest.mark.parametrize(
-    "override",
+    ("override", "key"),
     [
-        "critic.warmup_steps=1",
-        "critic.init_from=/tmp",
-        "algorithm.gamma=0.9",
-        "algorithm.lam=0.5",
-        "algorithm.kl_reward_coef=0.1",
+        ("critic.warmup_steps=1", "critic.warmup_steps"),
+        ("critic.init_from=/tmp", "critic.init_from"),
+        ("critic.value_clip=0.1", "critic.value_clip"),
+        ("critic.optimizer.lr=0.01", "critic.optimizer"),
+        ("algorithm.gamma=0.9", "algorithm.gamma"),
+        ("algorithm.lam=0.5", "algorithm.lam"),
+        ("algorithm.kl_reward_coef=0.1", "algorithm.kl_reward_coef"),
     ],
 )
-def test_critic_settings_without_gae_are_refused(composer, override):
-    key = override.split("=")[0]
+def test_critic_settings_without_gae_are_refused(composer, override, key):
     with pytest.raises(ConfigError, match=f"{key} is set but only PPO"):
         composer.resolve("algorithm=grpo", *SMALL, override)
 
