@@ -163,6 +163,31 @@ def test_launcher_times_out_and_kills_the_process_group(tmp_path):
         pytest.fail("server worker survived stop()")
 
 
+def test_health_poll_takes_an_answer_that_is_not_http_as_not_healthy():
+    """What answered GET /health once in CI: the request itself, echoed (a connection from the
+    polled port to itself while nothing listened there). Any non-HTTP answer means "not yet"."""
+    import socket
+    import threading
+
+    from gspo_megatron.rollout.sglang.launcher import http_health
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def echo_once():
+        conn, _ = server.accept()
+        with conn:
+            conn.sendall(conn.recv(4096))
+
+    thread = threading.Thread(target=echo_once, daemon=True)
+    thread.start()
+    port = server.getsockname()[1]
+    assert http_health(f"http://127.0.0.1:{port}", timeout_s=5.0) is False
+    thread.join(5)
+    server.close()
+
+
 def _proc_state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2]

@@ -8,6 +8,7 @@ and stops the whole process group on `stop()`.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import shlex
@@ -109,14 +110,16 @@ def _redact(cmd: list[str]) -> str:
 
 
 def http_health(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> bool:
-    """GET {url}/health answers 200 (stdlib, usable before any event loop exists)."""
+    """GET {url}/health answers 200 (stdlib, usable before any event loop exists). Anything
+    else is "not healthy", including an answer that is not HTTP (another program on the port,
+    or a connection to the port from itself, which Linux allows while nothing listens)."""
     req = urllib.request.Request(url.rstrip("/") + "/health")
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
         return False
 
 
