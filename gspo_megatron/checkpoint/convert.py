@@ -483,11 +483,9 @@ def compare_values(
     between transformers' `AutoModelForSequenceClassification` (its head applied to every
     hidden state) and a one-process megatron model; both in float32 with the weights rounded
     to `round_to` (like `verify.compare_logprobs` for policies)."""
-    import torch.distributed as dist
     from transformers import AutoModelForSequenceClassification
 
-    from gspo_megatron.checkpoint.verify import random_sequences
-    from gspo_megatron.megatron import cpu_compat
+    from gspo_megatron.checkpoint.verify import megatron_outputs, random_sequences
 
     tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
     model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=round_to)
@@ -495,31 +493,7 @@ def compare_values(
     hidden = model.model(input_ids=tokens).last_hidden_state
     hf = model.score(hidden)[..., 0].float()
     del model
-
-    cpu_compat.apply()  # before megatron-core is imported
-    from gspo_megatron.checkpoint.loading import load_weights
-    from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.model import build_model_chunks
-    from gspo_megatron.spec.layout import ParallelLayout
-
-    started = not dist.is_initialized()
-    if not started and dist.get_world_size() != 1:
-        raise RuntimeError("verification builds a one-process model; run it outside torchrun")
-    layout = ParallelLayout(world_size=1)
-    parallel.initialize(layout, seed=0)
-    try:
-        cfg = cfg.replace(params_dtype="float32")
-        chunks = build_model_chunks(cfg, layout, use_te=False, value_head=True)
-        load_weights(chunks, cfg, megatron_dir, value_head=True)
-        chunk = chunks[0].eval()
-        if round_to is not None:
-            for p in chunk.parameters():
-                p.copy_(p.to(round_to).float())
-        positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
-        mc = chunk(tokens, positions, None)[..., 0].float()
-    finally:
-        if started:
-            parallel.destroy()
+    mc = megatron_outputs(megatron_dir, cfg, tokens, round_to, value_head=True)[..., 0]
     return float((hf - mc).abs().max())
 
 

@@ -35,13 +35,16 @@ def transformers_logprobs(
 
 
 @torch.no_grad()
-def megatron_logprobs(
+def megatron_outputs(
     megatron_dir: str | Path,
     cfg: ModelConfig,
     tokens: torch.Tensor,
     round_to: torch.dtype | None = None,
+    *,
+    value_head: bool = False,
 ) -> torch.Tensor:
-    """[b, s-1] log-probs under a one-process megatron model loaded from `megatron_dir`."""
+    """[b, s, ...] float32 outputs (logits, or a value model's values [b, s, 1]) of a
+    one-process megatron model loaded from `megatron_dir`, its weights rounded to `round_to`."""
     import torch.distributed as dist
 
     from gspo_megatron.megatron import cpu_compat
@@ -59,19 +62,29 @@ def megatron_logprobs(
     parallel.initialize(layout, seed=0)
     try:
         cfg = cfg.replace(params_dtype="float32")
-        chunks = build_model_chunks(cfg, layout, use_te=False)
-        load_weights(chunks, cfg, megatron_dir)
+        chunks = build_model_chunks(cfg, layout, use_te=False, value_head=value_head)
+        load_weights(chunks, cfg, megatron_dir, value_head=value_head)
         model = chunks[0].eval()
         if round_to is not None:
             for p in model.parameters():
                 p.copy_(p.to(round_to).float())
         positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
-        logits = model(tokens, positions, None)[..., : cfg.vocab_size].float()
-        logp = torch.log_softmax(logits[:, :-1], dim=-1)
-        return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        return model(tokens, positions, None).float()
     finally:
         if started:
             parallel.destroy()
+
+
+def megatron_logprobs(
+    megatron_dir: str | Path,
+    cfg: ModelConfig,
+    tokens: torch.Tensor,
+    round_to: torch.dtype | None = None,
+) -> torch.Tensor:
+    """[b, s-1] log-probs under a one-process megatron model loaded from `megatron_dir`."""
+    logits = megatron_outputs(megatron_dir, cfg, tokens, round_to)[..., : cfg.vocab_size]
+    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
 
 def compare_logprobs(

@@ -15,7 +15,7 @@ from trainer.test_trainer_options import (
     _step_calls,
     check_gae_advantages,
     expected_gae,
-    group_rewards,
+    generated_rewards,
 )
 
 from gspo_megatron.config import ConfigError
@@ -97,10 +97,7 @@ def test_the_reward_carries_a_per_token_kl_penalty(composer, tokenizer):
     alg = run.cfg.algorithm
     for events, (_, metrics) in zip(run.journal.steps(), run.log.records, strict=True):
         (forward,) = _step_calls(events, "forward", "critic")
-        rewards = {}
-        for call in _step_calls(events, "generate"):
-            for group in call.groups:
-                rewards.update(zip(map(_key, group), group_rewards(run, group), strict=True))
+        rewards = generated_rewards(run, events)
         samples = forward.samples
         penalties = []
         for s in samples:

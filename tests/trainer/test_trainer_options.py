@@ -242,14 +242,20 @@ def expected_gae(rewards, values, masks, gamma, lam) -> tuple[list, list]:
     return advantages, returns
 
 
-def check_gae_advantages(run: FakeRun, events) -> None:
-    """The critic's values of the step's batch -> GAE -> (whitened over the batch's tokens)."""
-    alg = run.cfg.algorithm
-    (forward,) = _step_calls(events, "forward", "critic")
+def generated_rewards(run: FakeRun, events) -> dict[tuple, float]:
+    """The step's rewards, by sample (prompt and response ids)."""
     rewards = {}
     for call in _step_calls(events, "generate"):
         for group in call.groups:
             rewards.update(zip(map(_key, group), group_rewards(run, group), strict=True))
+    return rewards
+
+
+def check_gae_advantages(run: FakeRun, events) -> None:
+    """The critic's values of the step's batch -> GAE -> (whitened over the batch's tokens)."""
+    alg = run.cfg.algorithm
+    (forward,) = _step_calls(events, "forward", "critic")
+    rewards = generated_rewards(run, events)
     samples = forward.samples
     masks = [s.loss_mask or [1.0] * len(s.response_ids) for s in samples]
     values = [v.tolist() for v in forward.result.values]
