@@ -90,6 +90,8 @@ class AlgorithmSection:
     overlong_penalty_cache: DAPO's soft overlong punishment (Lmax, Lc; 0 = off).
     mismatch: none | tis | mis (train/rollout correction) at mismatch_level with cap/bounds.
     kl_coef / kl_estimator: KL to the initial policy (k1 | k2 | k3 | low_var_kl).
+    entropy_coef: an entropy bonus: the loss minus entropy_coef x the policy's entropy on the
+    trained tokens, aggregated like the KL penalty (0 = off).
     moe_aux_loss: none | aux_loss | seq_aux_loss | global_aux_loss, megatron-core's MoE
     load-balancing loss added to the policy loss with weight moe_aux_loss_coef. Off by default:
     RL fine-tunes a router that is already balanced, and the extra gradient moves routes the
@@ -120,6 +122,7 @@ class AlgorithmSection:
     mismatch_upper: float = bounded(2.0, gt=0)
     kl_coef: float = bounded(0.0, ge=0)
     kl_estimator: str = choice("k3", "k1", "k2", "low_var_kl")
+    entropy_coef: float = bounded(0.0, ge=0)
     moe_aux_loss: str = choice("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
     moe_aux_loss_coef: float = bounded(0.0, ge=0)
 

@@ -148,6 +148,7 @@ class Trainer:
             cfg.algorithm.loss_hparams(cfg.rollout.max_new_tokens),
             kl_coef=cfg.algorithm.kl_coef,
             kl_estimator=cfg.algorithm.kl_estimator,
+            entropy_coef=cfg.algorithm.entropy_coef,
         )
         self.step = 0
         self.stop_requested = False

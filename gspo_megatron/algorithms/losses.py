@@ -412,8 +412,9 @@ def _prepare(
     seq_share: Tensor | None,
     is_weights: Tensor | None,
     ref_logprobs: Tensor | None,
+    entropy: Tensor | None,
     check_values: bool,
-) -> tuple[_Batch, Tensor, Tensor | None, Tensor | None, torch.dtype]:
+) -> tuple[_Batch, Tensor, Tensor | None, Tensor | None, Tensor | None, torch.dtype]:
     logprobs = require_tensor("logprobs", logprobs, floating=True)
     if logprobs.dim() != 2 or logprobs.shape[0] == 0 or logprobs.shape[1] == 0:
         raise ValueError(f"logprobs must be a non-empty [B, T] tensor, got {shape(logprobs)}")
@@ -439,6 +440,9 @@ def _prepare(
     if ref_logprobs is not None:
         ref_logprobs = require_tensor("ref_logprobs", ref_logprobs, floating=True)
         require_shape("ref_logprobs", ref_logprobs, bt, "the shape of logprobs")
+    if entropy is not None:
+        entropy = require_tensor("entropy", entropy, floating=True)
+        require_shape("entropy", entropy, bt, "the shape of logprobs")
 
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
@@ -448,7 +452,12 @@ def _prepare(
             flags["response_mask must hold only 0 and 1"] = (
                 (response_mask != 0) & (response_mask != 1)
             ).any()
-        named = {"logprobs": logprobs, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+        named = {
+            "logprobs": logprobs,
+            "old_logprobs": old_logprobs,
+            "ref_logprobs": ref_logprobs,
+            "entropy": entropy,
+        }
         for name, t in named.items():
             if t is not None:
                 flags[f"{name} must be finite on response tokens"] = nonfinite_on(t, mask)
@@ -478,8 +487,10 @@ def _prepare(
         is_weights = is_weights.detach().to(dtype)
     if ref_logprobs is not None:
         ref_logprobs = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0)
+    if entropy is not None:
+        entropy = torch.where(mask, entropy.to(dtype), 0.0)  # differentiable: a bonus term
     x = _Batch(logp=logp, log_ratio=logp - old, mask=mask, adv=adv, adv_bt=adv_bt)
-    return x, mask, is_weights, ref_logprobs, dtype
+    return x, mask, is_weights, ref_logprobs, entropy, dtype
 
 
 def policy_loss_terms(
@@ -495,6 +506,8 @@ def policy_loss_terms(
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
     check_values: bool = True,
     **hparams: float | None,
 ) -> LossTerms:
@@ -518,6 +531,10 @@ def policy_loss_terms(
         kl_coef: coefficient of a KL(pi || pi_ref) penalty aggregated like the loss's own terms
             (per-sequence token mean for sequence-level losses).
         kl_estimator: a key of ``KL_ESTIMATORS``.
+        entropy: [B, T] the policy's entropy per token (differentiable), needed when
+            ``entropy_coef > 0``.
+        entropy_coef: weight of an entropy bonus, subtracted from the loss and aggregated like
+            the KL penalty.
         check_values: check that log-probs/advantages/weights are finite on response tokens and
             the mask is 0/1 (one host sync); shapes are always checked.
         **hparams: the loss's hyperparameters (``POLICY_LOSSES[name].defaults``); None keeps the
@@ -535,9 +552,12 @@ def policy_loss_terms(
         )
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs is required when kl_coef > 0")
-    x, mask, weights, ref, dtype = _prepare(
+    entropy_coef = require_number("entropy_coef", entropy_coef, minimum=0.0)
+    if entropy_coef > 0 and entropy is None:
+        raise ValueError("entropy is required when entropy_coef > 0")
+    x, mask, weights, ref, ent, dtype = _prepare(
         spec, logprobs, old_logprobs, advantages, response_mask, seq_share, is_weights,
-        ref_logprobs, check_values,
+        ref_logprobs, entropy, check_values,
     )  # fmt: skip
     if seq_share is None:
         share = torch.ones(mask.shape[0], dtype=dtype, device=mask.device)
@@ -560,12 +580,19 @@ def policy_loss_terms(
         values = values * (weights if weights.dim() == 2 or values.dim() == 1 else weights[:, None])
     loss_sum = _aggregate(spec.aggregation, values, mask, lengths, seq_weight, hp)
 
+    # Per-token regularisers: a per-sequence token mean under a sequence-level loss.
+    token_agg = "seq_mean" if spec.aggregation == "sequence" else spec.aggregation
     kl_bt = None
     if ref is not None:
         kl_bt = KL_ESTIMATORS[kl_estimator](ref - x.logp)
         if kl_coef > 0:
-            kl_agg = "seq_mean" if spec.aggregation == "sequence" else spec.aggregation
-            loss_sum = loss_sum + kl_coef * _aggregate(kl_agg, kl_bt, mask, lengths, seq_weight, hp)
+            loss_sum = loss_sum + kl_coef * _aggregate(
+                token_agg, kl_bt, mask, lengths, seq_weight, hp
+            )
+    if ent is not None and entropy_coef > 0:
+        loss_sum = loss_sum - entropy_coef * _aggregate(
+            token_agg, ent, mask, lengths, seq_weight, hp
+        )
 
     num_tokens = local_lengths.sum()
     num_seqs = seq_weight.sum()

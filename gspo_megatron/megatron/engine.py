@@ -393,7 +393,9 @@ class TrainingEngine:
         cp_sum = self._cp_sum if self.layout.cp > 1 else None
 
         def loss_terms(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = self._token_logprobs(mb, logits, self.settings.entropy_metric)
+            lp, ent = self._token_logprobs(
+                mb, logits, self.settings.entropy_metric or loss.entropy_coef > 0
+            )
             extra = {}
             if loss.kl_coef:
                 extra = {
@@ -401,6 +403,8 @@ class TrainingEngine:
                     "kl_coef": loss.kl_coef,
                     "kl_estimator": loss.kl_estimator,
                 }
+            if loss.entropy_coef:
+                extra |= {"entropy": ent, "entropy_coef": loss.entropy_coef}
             terms = policy_loss_terms(
                 loss.name,
                 lp,

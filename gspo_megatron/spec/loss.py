@@ -1,4 +1,5 @@
-"""Which policy loss a training step optimises, with its hyper-parameters and KL penalty."""
+"""Which policy loss a training step optimises, with its hyper-parameters, KL penalty and
+entropy bonus."""
 
 from __future__ import annotations
 
@@ -13,3 +14,4 @@ class LossSettings:
     hparams: dict = field(default_factory=dict)
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    entropy_coef: float = 0.0

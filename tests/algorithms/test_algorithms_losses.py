@@ -71,8 +71,11 @@ def ref_kl(lp, r, estimator):
     raise AssertionError(estimator)
 
 
-def reference_loss(name, lp, o, A, m, hp, *, ref=None, kl_coef=0.0, kl_est="k3", is_w=None):
-    """Returns (loss, number of clipped response tokens, number of clipped sequences)."""
+def reference_loss(
+    name, lp, o, A, m, hp, *, ref=None, kl_coef=0.0, kl_est="k3", is_w=None, ent=None, ent_coef=0.0
+):
+    """Returns (loss, number of clipped response tokens, number of clipped sequences). The KL
+    penalty and the entropy bonus are per-token regularisers, summed into `kl_sum`."""
     defaults = dict(POLICY_LOSSES[name].defaults) | hp
     lo, hi = defaults.get("clip_low"), defaults.get("clip_high")
     B, T = lp.shape
@@ -97,6 +100,8 @@ def reference_loss(name, lp, o, A, m, hp, *, ref=None, kl_coef=0.0, kl_est="k3",
         kl_sum = torch.zeros((), dtype=F64)
         if kl_coef:
             kl_sum = sum((ref_kl(lp[i, t], ref[i, t], kl_est) for t in toks), kl_sum)
+        if ent_coef:  # folded into kl_sum, which every branch multiplies by kl_coef
+            kl_sum = kl_sum - ent_coef / kl_coef * sum(ent[i, t] for t in toks)
         seq_clipped = False
         if name == "gspo":
             s = torch.exp(sum(lp[i, t] - o[i, t] for t in toks) / n)
@@ -209,22 +214,27 @@ def test_references_see_both_clip_branches():
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
 @pytest.mark.parametrize("name", ALL_LOSSES)
-def test_kl_term_and_is_weights_match_reference(name, estimator):
+def test_kl_term_entropy_bonus_and_is_weights_match_reference(name, estimator):
     hp = base_hparams(name)
     lp, o, A, m = make_batch(3)
     g = torch.Generator().manual_seed(7)
     ref_logp = lp.detach() + 0.2 * torch.randn(lp.shape, generator=g, dtype=F64)
     shape = A.shape if name in SEQ_LEVEL else lp.shape
     is_w = torch.rand(shape, generator=g, dtype=F64) * 2
+    entropy = (torch.rand(lp.shape, generator=g, dtype=F64) * 3).requires_grad_(True)
     kw = {"ref_logprobs": ref_logp, "kl_coef": 0.3, "kl_estimator": estimator, "is_weights": is_w}
+    kw |= {"entropy": entropy, "entropy_coef": 0.07}
     loss, metrics = policy_loss(name, lp, o, A, m, **kw, **hp)
-    (grad,) = torch.autograd.grad(loss, lp)
+    grads = torch.autograd.grad(loss, (lp, entropy))
     ref, _, _ = reference_loss(
-        name, lp, o, A, m, hp, ref=ref_logp, kl_coef=0.3, kl_est=estimator, is_w=is_w
-    )
-    (ref_grad,) = torch.autograd.grad(ref, lp)
+        name, lp, o, A, m, hp, ref=ref_logp, kl_coef=0.3, kl_est=estimator, is_w=is_w,
+        ent=entropy, ent_coef=0.07,
+    )  # fmt: skip
+    ref_grads = torch.autograd.grad(ref, (lp, entropy))
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-14)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-14)
+    assert grads[1][~m].abs().max() == 0 and grads[1][m].abs().min() > 0
     expected_kl = (
         sum(ref_kl(lp[i, t], ref_logp[i, t], estimator).item() for i, t in m.nonzero().tolist())
         / m.sum().item()
@@ -414,10 +424,13 @@ def test_context_parallel_split_equals_unsplit_batch(name, token_adv, share_mode
     m[6, 12:] = False
     # The KL term and [B] mismatch weights (the same on both ranks) under CP too.
     ref = lp.detach() + 0.1 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+    # The entropy bonus's entropy is a function of the log-probs here, so its gradient is checked.
     kw = {"kl_coef": 0.2, "is_weights": torch.linspace(0.5, 1.5, lp.shape[0], dtype=F64)}
-    loss, metrics = policy_loss(name, lp, o, A, m, ref_logprobs=ref, **hp, **kw)
-    (grad,) = torch.autograd.grad(loss, lp)
-    total = _simulated_cp(name, lp, o, A, m, hp | kw, share_mode, {"ref_logprobs": ref})
+    kw["entropy_coef"] = 0.05
+    token_kw = {"ref_logprobs": ref, "entropy": -lp.exp() * lp}
+    loss, metrics = policy_loss(name, lp, o, A, m, **token_kw, **hp, **kw)
+    (grad,) = torch.autograd.grad(loss, lp, retain_graph=True)  # the entropy's graph is shared
+    total = _simulated_cp(name, lp, o, A, m, hp | kw, share_mode, token_kw)
     (grad_cp,) = torch.autograd.grad(total.loss(), lp)
     torch.testing.assert_close(total.loss(), loss, rtol=1e-13, atol=1e-16)
     torch.testing.assert_close(grad_cp, grad, rtol=1e-12, atol=1e-16)
@@ -535,6 +548,10 @@ def _bad_inputs():
         ("ref_logprobs", ("grpo", *ok), {"kl_coef": 0.1}),
         ("ref_logprobs", ("grpo", *ok), {"kl_coef": 0.1, "ref_logprobs": o[:, :3]}),
         ("kl_estimator", ("grpo", *ok), {"kl_estimator": "k4"}),
+        ("entropy_coef", ("grpo", *ok), {"entropy_coef": -0.1, "entropy": o}),
+        ("entropy", ("grpo", *ok), {"entropy_coef": 0.1}),
+        ("entropy", ("grpo", *ok), {"entropy_coef": 0.1, "entropy": o[:, :3]}),
+        ("entropy", ("grpo", *ok), {"entropy_coef": 0.1, "entropy": inf_o}),
         ("is_weights", ("gspo", *ok), {"is_weights": torch.ones_like(o)}),
         ("is_weights", ("grpo", *ok), {"is_weights": -torch.ones_like(A)}),
         ("seq_share", ("grpo", *ok), {"seq_share": torch.ones(3)}),

@@ -102,10 +102,11 @@ ADAM = OptimizerSettings(
 
 
 def mode_gradient(layout: ParallelLayout) -> None:
-    for name, hp in (
-        ("gspo", {"clip_low": 0.02, "clip_high": 0.02}),
-        ("grpo", {}),
-        ("gspo_token", {"clip_low": 0.02, "clip_high": 0.02}),
+    for name, hp, entropy_coef in (
+        ("gspo", {"clip_low": 0.02, "clip_high": 0.02}, 0.0),
+        ("grpo", {}, 0.0),
+        ("gspo_token", {"clip_low": 0.02, "clip_high": 0.02}, 0.0),
+        ("ppo", {}, 0.1),  # an entropy bonus: its gradient through the vocabulary's softmax
     ):
         engine = engine_for(layout, optimizer=SGD, tokens=40)
         batch = samples()
@@ -126,22 +127,29 @@ def mode_gradient(layout: ParallelLayout) -> None:
         lp = torch.zeros(len(train), t_max, dtype=torch.float64)
         old = torch.zeros_like(lp)
         mask = torch.zeros_like(lp)
-        lp_rows = []
+        lp_rows, entropy_rows = [], []
         for i, s in enumerate(train):
             start = len(s.prompt_ids) - 1
             n = len(s.response_ids)
             idx = torch.tensor(s.response_ids)
-            lp_rows.append(logp_all[i, start : start + n].gather(1, idx[:, None]).squeeze(1))
+            rows = logp_all[i, start : start + n]
+            lp_rows.append(rows.gather(1, idx[:, None]).squeeze(1))
+            entropy_rows.append(-(rows.exp() * rows).sum(-1))
             old[i, :n] = torch.tensor(s.old_logprobs, dtype=torch.float64)
             mask[i, :n] = 1.0
-        lp = torch.stack([torch.nn.functional.pad(r, (0, t_max - len(r))) for r in lp_rows])
+
+        lp, entropy = (
+            torch.stack([torch.nn.functional.pad(r, (0, t_max - len(r))) for r in rows])
+            for rows in (lp_rows, entropy_rows)
+        )
         adv = torch.tensor([s.advantage for s in train], dtype=torch.float64)
-        ref_loss, _ = policy_loss(name, lp, old, adv, mask, **hp)
+        bonus = {"entropy": entropy, "entropy_coef": entropy_coef}
+        ref_loss, _ = policy_loss(name, lp, old, adv, mask, **hp, **bonus)
         grads = torch.autograd.grad(
             ref_loss, [p for _, p in model.named_parameters()], allow_unused=True
         )
         reference = dict(zip([k for k, _ in model.named_parameters()], grads, strict=True))
-        metrics = engine.train_step(train, LossSettings(name, hp))
+        metrics = engine.train_step(train, LossSettings(name, hp, entropy_coef=entropy_coef))
         worst = 0.0
         largest = 0.0
         for key, param in model.named_parameters():

@@ -40,11 +40,12 @@ from gspo_megatron.spec.sample import TrainSample
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 LOSSES = {
-    # Wide enough clip ranges that some sequences/tokens are clipped and some are not.
-    "gspo": {"clip_low": 0.03, "clip_high": 0.03},
-    "grpo": {"clip_low": 0.1, "clip_high": 0.1},
-    "gspo_token": {"clip_low": 0.03, "clip_high": 0.03},
-    "dapo": {},
+    # Wide enough clip ranges that some sequences/tokens are clipped and some are not; an entropy
+    # bonus on a sequence-level and a token-level loss (its gradient crosses the vocabulary split).
+    "gspo": LossSettings("gspo", {"clip_low": 0.03, "clip_high": 0.03}, entropy_coef=0.02),
+    "grpo": LossSettings("grpo", {"clip_low": 0.1, "clip_high": 0.1}),
+    "gspo_token": LossSettings("gspo_token", {"clip_low": 0.03, "clip_high": 0.03}),
+    "dapo": LossSettings("dapo", entropy_coef=0.05),
 }
 VOCAB = 48
 
@@ -101,9 +102,9 @@ def make_reference(out: Path, num_layers: int) -> None:
     result = engine.forward(samples, with_entropy=True)
     reference = {"logprobs": [torch.as_tensor(x) for x in result.logprobs], "loss": {}}
     train = with_old_logprobs(samples, result.logprobs)
-    for name, hparams in LOSSES.items():
+    for name, loss in LOSSES.items():
         checkpointing.load_engine(engine, out / "init", with_optimizer=False)
-        metrics = engine.train_step(train, LossSettings(name, hparams))
+        metrics = engine.train_step(train, loss)
         reference["loss"][name] = metrics["loss"]
         checkpointing.save_engine(engine, out / f"after_{name}", with_optimizer=False)
     torch.save(reference, out / "reference.pt")
@@ -205,7 +206,7 @@ def check_layout(
         outcome[mode] = {"logprobs": logprobs}
         for name in losses:
             restore(engine, initial)
-            metrics = engine.train_step(train, LossSettings(name, LOSSES[name]))
+            metrics = engine.train_step(train, LOSSES[name])
             ref_loss = reference["loss"][name]
             results.append((f"{mode}/{name}_loss_abs_diff", abs(metrics["loss"] - ref_loss), 1e-6))
             if name not in expected:

@@ -33,8 +33,9 @@ def assert_all_ok(results: list[dict], expected: set[str]) -> None:
 
 def test_single_process_checks(tmp_path):
     """One launch: in-schedule loss gradient == autograd through policy_loss (gspo, grpo,
-    gspo_token); routing replay; Adam resume; non-finite handling; bad input; offloading the
-    state between steps (bitwise identical, storages freed, saved while offloaded)."""
+    gspo_token, ppo with an entropy bonus); routing replay; Adam resume; non-finite handling;
+    bad input; offloading the state between steps (bitwise identical, storages freed, saved
+    while offloaded)."""
     results = run_worker(
         WORKER,
         [
@@ -50,6 +51,7 @@ def test_single_process_checks(tmp_path):
             "gspo_grad_max_abs_diff_rel",
             "grpo_grad_max_abs_diff_rel",
             "gspo_token_grad_max_abs_diff_rel",
+            "ppo_grad_max_abs_diff_rel",
             "replay_reproduces_recorded_routes",
             "replay_matches_router_choice_same_weights",
             "route_change_fraction_without_replay",

@@ -398,6 +398,9 @@ class FakePolicy:
                 kl_coef=loss.kl_coef,
                 kl_estimator=loss.kl_estimator,
             )
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        if loss.entropy_coef:
+            extra |= dict(entropy=ent, entropy_coef=loss.entropy_coef)
         value, metrics = policy_loss(
             loss.name,
             logp,
@@ -418,7 +421,6 @@ class FakePolicy:
                 p -= self.lr * g
         self.steps_done += 1
         with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
             entropy = float((ent * mask).sum() / mask.sum().clamp(min=1.0))
         out = dict(metrics)
         out.update(

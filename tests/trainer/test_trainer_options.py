@@ -87,6 +87,15 @@ class ReferenceModel:
         """log pi(response token | previous token), routing with the sample's routes when
         replaying, else with the policy's own router."""
         ids = sample.prompt_ids + sample.response_ids
+        rows = self.log_softmax_rows(sample, replay)
+        return [row[ids[len(sample.prompt_ids) + t]] for t, row in enumerate(rows)]
+
+    def entropies(self, sample, replay: bool) -> list[float]:
+        return [-sum(math.exp(x) * x for x in row) for row in self.log_softmax_rows(sample, replay)]
+
+    def log_softmax_rows(self, sample, replay: bool) -> list[list[float]]:
+        """log pi(. | previous token) at each response position."""
+        ids = sample.prompt_ids + sample.response_ids
         out = []
         for t in range(len(sample.response_ids)):
             j = len(sample.prompt_ids) - 1 + t
@@ -97,7 +106,7 @@ class ReferenceModel:
                     if replay
                     else self.own_routes(ids[j])
                 )
-            out.append(self._log_softmax_after(ids[j], routes)[ids[j + 1]])
+            out.append(self._log_softmax_after(ids[j], routes))
         return out
 
 
@@ -118,15 +127,16 @@ def _k3(log_r: float) -> float:
 
 
 def reference_loss(policy, call) -> float:
-    """The weighted policy loss (+ KL) of one train_step call, sequence by sequence."""
+    """The weighted policy loss (+ KL - entropy bonus) of one train_step call, sequence by
+    sequence."""
     model = ReferenceModel(policy, call.params_before)
-    name, kl_coef = call.loss.name, call.loss.kl_coef
+    name, kl_coef, entropy_coef = call.loss.name, call.loss.kl_coef, call.loss.entropy_coef
     assert call.loss.kl_estimator == "k3"
     hp = dict(POLICY_LOSSES[name].defaults)
     hp.update({k: v for k, v in call.loss.hparams.items() if v is not None})
     lo, hi = hp.get("clip_low"), hp.get("clip_high")
     agg = AGGREGATION[name]
-    total = kl_total = 0.0
+    total = kl_total = entropy_total = 0.0
     sequences = tokens = 0
     for s in call.samples:
         lp = model.logprobs(s, call.replay_routes)
@@ -166,13 +176,18 @@ def reference_loss(policy, call) -> float:
                     raise AssertionError(f"no reference for loss {name}")
                 terms.append(mask[t] * value * weights[t])
             total += _aggregate(agg, terms, length, hp)
+        token_agg = "seq_mean" if agg == "sequence" else agg
         if kl_coef:
             kl = [mask[t] * _k3(s.ref_logprobs[t] - lp[t]) for t in range(n)]
-            kl_total += _aggregate("seq_mean" if agg == "sequence" else agg, kl, length, hp)
+            kl_total += _aggregate(token_agg, kl, length, hp)
+        if entropy_coef:
+            entropies = model.entropies(s, call.replay_routes)
+            entropy = [m * h for m, h in zip(mask, entropies, strict=True)]
+            entropy_total += _aggregate(token_agg, entropy, length, hp)
     denominator = tokens if agg == "token" else sequences
     if denominator == 0:  # every response filtered out (overlong filtering): loss 0
         return 0.0
-    return (total + kl_coef * kl_total) / denominator
+    return (total + kl_coef * kl_total - entropy_coef * entropy_total) / denominator
 
 
 def _aggregate(agg: str, terms: list[float], length: float, hp: dict) -> float:
@@ -593,6 +608,15 @@ def test_dense_model_has_no_routes(composer, tokenizer, old):
         assert all(not c.replay_routes for c in trains)
         check_losses(run, events)
     assert not any(k.startswith("moe/") for _, m in run.log.records for k in m)
+
+
+@pytest.mark.parametrize("algorithm", ["gspo", "grpo", "ppo"])  # sequence, seq_mean, token
+def test_entropy_bonus_is_in_the_loss(composer, tokenizer, algorithm):
+    run = run_fake(composer, tokenizer, f"algorithm={algorithm}", "algorithm.entropy_coef=0.05")
+    trains = [c for events in run.journal.steps() for c in _step_calls(events, "train")]
+    assert trains and all(c.loss.entropy_coef == 0.05 for c in trains)
+    for events in run.journal.steps():
+        check_losses(run, events)
 
 
 def test_routes_are_not_recorded_without_route_metrics(composer, tokenizer):
