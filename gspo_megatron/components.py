@@ -47,7 +47,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         # The initial policy, frozen: copied before a resume loads the policy's checkpoint, so a
         # resumed run keeps the same reference (model.init_from, or the seeded initialisation).
         reference = TrainingEngine.frozen_copy(engine)
-    critic = build_critic(cfg, engine) if cfg.algorithm.advantage == "gae" else None
+    critic = build_critic(cfg, engine, run_dir) if cfg.algorithm.advantage == "gae" else None
     scorer = build_scorer(cfg.reward)
     reward_model = None
     if cfg.reward.model_path:
@@ -152,25 +152,39 @@ def check_value_model(path: str, model: ModelConfig, key: str) -> None:
         raise ConfigError(f"{key}={path}: {difference}")
 
 
-def build_critic(cfg: RunConfig, policy):
-    """PPO's value model on the policy's layout: from critic.init_from, or the policy's
-    starting weights (copied before a resume loads either) with a zero value head."""
+def build_critic(cfg: RunConfig, policy, run_dir: Path):
+    """PPO's value model on critic.parallel's layout (process groups of its own when that is
+    not the policy's): from critic.init_from, or the policy's starting weights (taken before a
+    resume loads either) with a zero value head. On its own layout, the critic reads those from
+    model.init_from, or from the policy's seeded weights saved to a scratch checkpoint in the
+    run directory (removed after)."""
+    from gspo_megatron.checkpoint import load_engine_weights
+    from gspo_megatron.megatron import checkpointing, parallel
     from gspo_megatron.megatron.engine import TrainingEngine
 
+    layout = cfg.critic_layout(policy.layout.world_size)
+    groups = None if layout == policy.layout else parallel.LayoutGroups(layout, seed=cfg.seed)
     critic = TrainingEngine(
         policy.model_config,
-        policy.layout,
+        layout,
         cfg.engine,
         cfg.critic.optimizer,
         decay_steps=cfg.decay_steps_of(cfg.critic.optimizer),
         value_head=True,
+        groups=groups,
     )
     if cfg.critic.init_from:
-        from gspo_megatron.checkpoint import load_engine_weights
-
         load_engine_weights(critic, cfg.critic.init_from)
-    else:
+    elif groups is None:
         critic.load_trunk_from(policy)
+    elif cfg.model.init_from:
+        load_engine_weights(critic, cfg.model.init_from, head="init")
+    else:
+        scratch = run_dir / "critic_init_from_policy"
+        checkpointing.remove_scratch(scratch)
+        checkpointing.save_engine(policy, scratch, with_optimizer=False)
+        load_engine_weights(critic, scratch, head="init")
+        checkpointing.remove_scratch(scratch)
     return critic
 
 

@@ -134,6 +134,26 @@ class AlgorithmSection:
         return hparams
 
 
+CriticParallelSection = dataclasses.make_dataclass(
+    "CriticParallelSection",
+    [
+        (f.name, typing.Optional[typing.get_type_hints(ParallelSection)[f.name]], None)  # noqa: UP045
+        for f in dataclasses.fields(ParallelSection)
+    ],
+    namespace={
+        "__doc__": "`critic.parallel`: the keys of `parallel/`, each null = the policy's value.",
+        "layout": lambda self, policy, world_size: ParallelLayout(
+            world_size=world_size,
+            **{
+                name: getattr(policy, name) if value is None else value
+                for name, value in dataclasses.asdict(self).items()
+            },
+        ),
+    },
+)
+CriticParallelSection.__module__ = __name__
+
+
 @dataclass
 class CriticSection:
     """`critic`: PPO's value model, built when algorithm.advantage=gae: the policy's
@@ -145,13 +165,17 @@ class CriticSection:
     with one label (a reward model), or a gspo-megatron checkpoint of a value model.
     value_clip: the value loss's clipping around the values the batch was generated with (0 =
     unclipped). warmup_steps: the first RL steps train the critic only. optimizer: the critic's
-    own optimizer and learning-rate schedule (the `optimizer` section's keys).
+    own optimizer and learning-rate schedule (the `optimizer` section's keys). parallel: the
+    critic's own parallel layout over the same processes: any key of `parallel/` (null keys
+    take the policy's value, so by default the critic shares the policy's layout); a different
+    layout gets process groups of its own (docs/ALGORITHMS.md, "PPO with a critic").
     """
 
     init_from: str | None = None
     value_clip: float = bounded(0.2, ge=0)
     warmup_steps: int = bounded(0, ge=0)
     optimizer: OptimizerSettings = field(default_factory=lambda: OptimizerSettings(lr=1e-3))
+    parallel: CriticParallelSection = field(default_factory=CriticParallelSection)
 
 
 @dataclass
@@ -265,6 +289,13 @@ class RunConfig:
         constant."""
         return self.decay_steps_of(self.optimizer)
 
+    def critic_layout(self, world_size: int) -> ParallelLayout:
+        """The critic's parallel layout (critic.parallel over the policy's `parallel`)."""
+        try:
+            return self.critic.parallel.layout(self.parallel, world_size)
+        except ValueError as err:
+            raise ConfigError(str(err).replace("parallel.", "critic.parallel.")) from err
+
     def decay_steps_of(self, optimizer: OptimizerSettings) -> int | None:
         """Optimizer steps `optimizer`'s learning rate decays over (the critic's too)."""
         if optimizer.decay_style == "constant":
@@ -371,13 +402,13 @@ def resolve(
     try:
         model = cfg.model.model_config()
         layout = cfg.parallel.layout(world_size)
-        layout.check_model(
-            num_layers=model.num_hidden_layers,
-            num_attention_heads=model.num_attention_heads,
-            num_key_value_heads=model.num_key_value_heads,
-            num_experts=model.num_experts if model.is_moe else None,
-        )
-        layout.check_sequence_length(cfg.engine.max_sequence_length)
+        _check_layout_fits(layout, model, cfg)
+        if cfg.algorithm.advantage == "gae":
+            critic_layout = cfg.critic_layout(world_size)
+            try:
+                _check_layout_fits(critic_layout, model, cfg)
+            except ValueError as err:
+                raise ConfigError(str(err).replace("parallel.", "critic.parallel.")) from err
         cfg.data.validate()
         cfg.reward.validate()
         cfg.env.validate()
@@ -389,6 +420,16 @@ def resolve(
     if check_paths and (missing := missing_paths(cfg)):
         raise ConfigError(missing[0])
     return cfg, model, layout
+
+
+def _check_layout_fits(layout: ParallelLayout, model: ModelConfig, cfg: RunConfig) -> None:
+    layout.check_model(
+        num_layers=model.num_hidden_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_key_value_heads,
+        num_experts=model.num_experts if model.is_moe else None,
+    )
+    layout.check_sequence_length(cfg.engine.max_sequence_length)
 
 
 def missing_paths(cfg: RunConfig) -> list[str]:

@@ -194,9 +194,11 @@ class PlanSettings:
     reference_model: bool = False
     # PPO's value model (algorithm.advantage=gae): the policy's architecture with weights,
     # gradients and optimizer state of its own, counted as the policy's (its scalar head for the
-    # vocabulary projection: a slight overestimate). It trains after the policy, one minibatch
-    # at a time, so its activations reuse the policy's.
+    # vocabulary projection: a slight overestimate), on critic_layout (None: the policy's); a
+    # rank holds the critic's share of the critic stage it is in. It trains after the policy,
+    # one minibatch at a time, so its activations reuse the policy's.
     critic_model: bool = False
+    critic_layout: ParallelLayout | None = None
     offload_during_rollout: str = "none"  # none | optimizer | all (trainer.offload_during_rollout)
 
     def __post_init__(self) -> None:
@@ -448,10 +450,6 @@ class MemoryPlan:
 def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> MemoryPlan:
     """The per-stage memory plan of `model` trained on `layout`."""
     b = DTYPE_BYTES[model.params_dtype]
-    # Adam: exp_avg + exp_avg_sq, plus a float32 master copy of low-precision weights.
-    optim_bytes = 8 + (4 if b < 4 else 0)
-    dense_shard = layout.dp * layout.cp if settings.distributed_optimizer else 1
-    expert_shard = layout.edp if settings.distributed_optimizer else 1
     tokens = settings.micro_batch_tokens
     layer_act = layer_activation_bytes(model, layout, tokens, settings.moe_imbalance)
     layer_in = layer_input_bytes(model, layout, tokens)
@@ -471,12 +469,22 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
             recompute += head
         act = recompute if settings.recompute else full
         gen, train = _rollout_share(model, layout, settings, stage)
-        weights = params.total * b / GIB
+        weights, grads, optimizer = training_state_gib(model, layout, stage, settings)
         reference = weights if settings.reference_model else 0.0
-        grads = params.total * 4 / GIB
-        optimizer = optim_bytes * (params.dense / dense_shard + params.expert / expert_shard) / GIB
-        critic = (weights + grads + optimizer) if settings.critic_model else 0.0
-        critic_optimizer = optimizer if settings.critic_model else 0.0
+        critic = critic_optimizer = 0.0
+        if settings.critic_model:
+            critic_layout = settings.critic_layout or layout
+            ranks_per_critic_stage = critic_layout.world_size // critic_layout.pp
+            states = [
+                training_state_gib(model, critic_layout, critic_stage, settings)
+                for critic_stage in sorted(
+                    {
+                        r // ranks_per_critic_stage
+                        for r in range(stage * per_stage, (stage + 1) * per_stage)
+                    }
+                )
+            ]
+            critic, critic_optimizer = max((sum(state), state[2]) for state in states)
         offloaded = 0.0
         if settings.offload_during_rollout != "none":
             offloaded = optimizer + critic_optimizer
@@ -510,6 +518,20 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
             )
         )
     return MemoryPlan(model=model, layout=layout, settings=settings, stages=tuple(stages))
+
+
+def training_state_gib(
+    model: ModelConfig, layout: ParallelLayout, stage: int, settings: PlanSettings
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) in GiB of a rank of pipeline stage `stage`."""
+    b = DTYPE_BYTES[model.params_dtype]
+    # Adam: exp_avg + exp_avg_sq, plus a float32 master copy of low-precision weights.
+    optim_bytes = 8 + (4 if b < 4 else 0)
+    dense_shard = layout.dp * layout.cp if settings.distributed_optimizer else 1
+    expert_shard = layout.edp if settings.distributed_optimizer else 1
+    params = stage_params(model, layout, stage)
+    optimizer = optim_bytes * (params.dense / dense_shard + params.expert / expert_shard)
+    return params.total * b / GIB, params.total * 4 / GIB, optimizer / GIB
 
 
 def _rollout_share(
@@ -568,6 +590,7 @@ def settings_from_config(
         overhead_gib=overhead_gib,
         reference_model=alg.kl_coef > 0 or alg.kl_reward_coef > 0,
         critic_model=alg.advantage == "gae",
+        critic_layout=run_cfg.critic_layout(layout.world_size) if alg.advantage == "gae" else None,
         offload_during_rollout=run_cfg.trainer.offload_during_rollout,
     )
 

@@ -21,19 +21,25 @@ def load_hf_weights(engine, hf_dir: str | Path) -> None:
     its shards); the optimizer's master copies are refreshed."""
     from gspo_megatron.checkpoint.loading import load_hf_weights as load
 
-    load(engine.unwrapped_chunks, engine.model_config, hf_dir)
-    engine.optimizer.reload_model_params()
+    with engine.own_layout():
+        load(engine.unwrapped_chunks, engine.model_config, hf_dir)
+        engine.optimizer.reload_model_params()
 
 
-def load_engine_weights(engine, path: str | Path) -> dict:
+def load_engine_weights(engine, path: str | Path, *, head: str = "load") -> dict:
     """Initial weights from an HF directory or a megatron checkpoint (converted or saved by
     training, any layout, either layer spec) into a TrainingEngine (a value model's from a
-    value model's checkpoint); returns the checkpoint's metadata. Collective for megatron
-    checkpoints."""
+    value model's checkpoint, or with head="init" from a policy's, its head kept); returns
+    the checkpoint's metadata. Collective for megatron checkpoints."""
     from gspo_megatron.checkpoint.loading import load_weights
 
-    meta = load_weights(
-        engine.unwrapped_chunks, engine.model_config, path, value_head=engine.value_head
-    )
-    engine.optimizer.reload_model_params()
+    with engine.own_layout():
+        meta = load_weights(
+            engine.unwrapped_chunks,
+            engine.model_config,
+            path,
+            value_head=engine.value_head,
+            head=head,
+        )
+        engine.optimizer.reload_model_params()
     return meta

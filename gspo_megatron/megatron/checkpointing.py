@@ -113,15 +113,16 @@ def save_engine(
             where = tmp / name
             if name:
                 _on_rank0(f"create the {name} directory", where.mkdir, where)
-            saved.reload()  # a checkpoint holds the state itself, offloaded or not
-            state = _engine_state(saved, with_optimizer)
-            _on_every_rank(
-                f"write the {name or 'model'}'s weights and optimizer",
-                lambda state=state, where=where: dist_checkpointing.save(
-                    state, str(where), async_sharded_save=False
-                ),
-                tmp,
-            )
+            with saved.own_layout():
+                saved.reload()  # a checkpoint holds the state itself, offloaded or not
+                state = _engine_state(saved, with_optimizer)
+                _on_every_rank(
+                    f"write the {name or 'model'}'s weights and optimizer",
+                    lambda state=state, where=where: dist_checkpointing.save(
+                        state, str(where), async_sharded_save=False
+                    ),
+                    tmp,
+                )
         rng_name = f"{RNG_DIR}/rank_{rank:05d}.pt"
 
         def write_rng_and_meta() -> None:
@@ -424,6 +425,11 @@ def load_engine(
 
 
 def _load_state(engine, path: Path, with_optimizer: bool) -> None:
+    with engine.own_layout():
+        _load_own_layout_state(engine, path, with_optimizer)
+
+
+def _load_own_layout_state(engine, path: Path, with_optimizer: bool) -> None:
     model_sd = model_sharded_state_dict(engine.unwrapped_chunks)
     state = {"model": model_sd}
     if with_optimizer:
@@ -518,6 +524,15 @@ def _join(problems: list[str]) -> str:
     shown = "; ".join(problems[:_MAX_LISTED_PROBLEMS])
     more = len(problems) - _MAX_LISTED_PROBLEMS
     return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def remove_scratch(path: str | Path) -> None:
+    """Delete a scratch checkpoint directory, if there is one. Collective: rank 0 removes it
+    between two barriers, so no rank still reads it and none writes it again too early."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
 
 
 def remove_incomplete(parent: str | Path) -> list[Path]:

@@ -15,7 +15,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial, reduce
+from functools import partial, reduce, wraps
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from gspo_megatron.megatron.batch import (
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config
 from gspo_megatron.megatron.offload import StateOffloader
+from gspo_megatron.megatron.parallel import LayoutGroups
 from gspo_megatron.megatron.routing import RouteRecorder
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
@@ -75,6 +76,17 @@ _SEQUENCE_PARALLEL_ATTRS = (
 )
 
 
+def _on_own_layout(method):
+    """Runs an engine method inside the engine's parallel state (TrainingEngine.own_layout)."""
+
+    @wraps(method)
+    def run(self, *args, **kwargs):
+        with self.own_layout():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class TrainingEngine:
     """Policy model chunks + optimizer for one parallel layout; called identically on all ranks.
 
@@ -85,6 +97,9 @@ class TrainingEngine:
     it can run `forward` (with routing replay) and nothing that trains.
     value_head: a value model (PPO's critic) or reward model: the same architecture ending in a
     scalar head (`model.ValueHead`); `forward` returns values, `train_value_step` trains it.
+    groups: megatron's parallel state for `layout` when it is not the one `parallel.initialize`
+    made (a critic on a layout of its own); the engine is built, runs and is checkpointed inside
+    it (`own_layout`).
     """
 
     def __init__(
@@ -99,6 +114,36 @@ class TrainingEngine:
         moe_aux_loss_coef: float = 0.0,
         trainable: bool = True,
         value_head: bool = False,
+        groups: LayoutGroups | None = None,
+    ) -> None:
+        if groups is not None and groups.layout != layout:
+            raise ValueError(f"groups were made for {groups.layout}, not for {layout}")
+        self.parallel_groups = groups
+        with self.own_layout():
+            self._build(
+                model_config, layout, engine, optimizer, decay_steps,
+                moe_aux_loss, moe_aux_loss_coef, trainable, value_head,
+            )  # fmt: skip
+
+    def own_layout(self) -> contextlib.AbstractContextManager:
+        """megatron's parallel state of this engine's layout, for the block it encloses (a no-op
+        on the layout `parallel.initialize` made). Collective operations on the engine's
+        weights outside its methods (checkpoints, weight loading) run inside it."""
+        if self.parallel_groups is None:
+            return contextlib.nullcontext()
+        return self.parallel_groups.active()
+
+    def _build(
+        self,
+        model_config: ModelConfig,
+        layout: ParallelLayout,
+        engine: EngineSettings | None,
+        optimizer: OptimizerSettings | None,
+        decay_steps: int | None,
+        moe_aux_loss: str,
+        moe_aux_loss_coef: float,
+        trainable: bool,
+        value_head: bool,
     ) -> None:
         self.model_config = model_config
         self.value_head = value_head
@@ -170,18 +215,26 @@ class TrainingEngine:
             policy.settings,
             trainable=False,
             value_head=policy.value_head,
+            groups=policy.parallel_groups,
         )
         with torch.no_grad():
             for mine, theirs in zip(frozen.model, policy.unwrapped_chunks, strict=True):
                 mine.load_state_dict(theirs.state_dict())
         return frozen
 
+    @_on_own_layout
     def load_trunk_from(self, policy: TrainingEngine) -> None:
         """A value model starting from a policy: every weight of `policy` but its output layer
         (the vocabulary projection); the value head keeps its own. Same layout, collective-free.
         """
         if not self.value_head or policy.value_head:
             raise RuntimeError("load_trunk_from copies a policy's trunk into a value model")
+        if self.layout != policy.layout:
+            raise RuntimeError(
+                "load_trunk_from copies shards of the same layout; a value model on a layout of "
+                "its own loads the policy's weights from a checkpoint (checkpoint.load_engine_"
+                "weights with head='init')"
+            )
         with torch.no_grad():
             for mine, theirs in zip(self.unwrapped_chunks, policy.unwrapped_chunks, strict=True):
                 state = theirs.state_dict()
@@ -247,6 +300,8 @@ class TrainingEngine:
         Sequence parallelism splits a sequence over TP ranks, which a one-token decode step
         cannot be; it is switched off on every module that holds it and restored afterwards.
         """
+        if self.parallel_groups is not None:
+            raise RuntimeError("generation runs on the layout parallel.initialize made")
         training = [m.training for m in self.model]
         saved: list[tuple[object, str, bool]] = []
         if self.config.sequence_parallel:
@@ -274,6 +329,7 @@ class TrainingEngine:
             for m, mode in zip(self.model, training, strict=True):
                 m.train(mode)
 
+    @_on_own_layout
     def offload(self, what: str, *, keep_weights: bool) -> dict[str, float]:
         """Move `what` (optimizer | all) of this engine's state to host memory and free its
         device storage, keeping the weights if `keep_weights` (gspo_megatron/megatron/offload.py).
@@ -285,6 +341,7 @@ class TrainingEngine:
             self._offloader = offloader = StateOffloader(self, what, keep_weights=keep_weights)
         return offloader.offload()
 
+    @_on_own_layout
     def reload(self) -> dict[str, float]:
         """Put offloaded state back on the device; nothing to do when it is resident."""
         return self._offloader.reload() if self._offloader is not None else {}
@@ -293,6 +350,7 @@ class TrainingEngine:
     def offloaded(self) -> bool:
         return self._offloader is not None and self._offloader.offloaded
 
+    @_on_own_layout
     def close(self) -> None:
         """Let the model, optimizer and process groups be freed once the caller drops the engine.
 
@@ -321,6 +379,7 @@ class TrainingEngine:
     def unwrapped_chunks(self) -> list[torch.nn.Module]:
         return [m.module for m in self.model] if self.trainable else list(self.model)
 
+    @_on_own_layout
     def forward(
         self,
         samples: Sequence[TrainSample],
@@ -375,6 +434,7 @@ class TrainingEngine:
         entropy = self._collect_per_token(samples, per_mb, "entropy") if with_entropy else None
         return ForwardResult(logprobs=logprobs, entropy=entropy, routes=routes)
 
+    @_on_own_layout
     def train_step(
         self, samples: Sequence[TrainSample], loss: LossSettings, *, replay_routes: bool = False
     ) -> dict[str, float]:
@@ -433,6 +493,7 @@ class TrainingEngine:
             replay_routes=replay_routes and self.routes is not None,
         )
 
+    @_on_own_layout
     def train_value_step(
         self, samples: Sequence[TrainSample], *, clip: float | None
     ) -> dict[str, float]:

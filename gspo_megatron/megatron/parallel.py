@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel import random as tp_random
 
 from gspo_megatron.megatron.cpu_compat import cuda_available
 from gspo_megatron.network import free_port
@@ -84,3 +88,66 @@ def destroy_model_parallel() -> None:
     for name, value in vars(parallel_state).items():
         if name.startswith("_") and isinstance(value, dist.ProcessGroup):
             setattr(parallel_state, name, None)
+
+
+# megatron-core keeps the groups, ranks and model-parallel RNG streams of the one layout it knows
+# in these modules' globals (_TENSOR_MODEL_PARALLEL_GROUP, _CUDA_RNG_STATE_TRACKER, ...).
+_STATE_MODULES = (parallel_state, tp_random)
+_STATE_NAME = re.compile(r"_[A-Z][A-Z0-9_]*")
+
+
+def _capture() -> dict[tuple[object, str], object]:
+    return {
+        (module, name): value
+        for module in _STATE_MODULES
+        for name, value in vars(module).items()
+        if _STATE_NAME.fullmatch(name)
+    }
+
+
+def _install(state: dict[tuple[object, str], object]) -> None:
+    for (module, name), value in state.items():
+        setattr(module, name, value)
+
+
+class LayoutGroups:
+    """megatron's parallel state for a second layout in the same processes (PPO's critic on a
+    layout of its own): process groups made once, collectively, on every rank, and the
+    model-parallel RNG streams seeded for that layout. `active()` swaps them into megatron's
+    module globals for a block and back out, so megatron (and this project's code, which asks
+    megatron for its groups at call time) sees one layout at a time. Build it after
+    `initialize`, on every rank in the same order; the policy's state is left as it was,
+    torch's generators included.
+    """
+
+    def __init__(self, layout: ParallelLayout, seed: int) -> None:
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("LayoutGroups needs the first layout initialized (initialize)")
+        if layout.world_size != dist.get_world_size():
+            raise LayoutError(
+                f"a layout for {layout.world_size} processes in a world of {dist.get_world_size()}"
+            )
+        self.layout = layout
+        outer = _capture()
+        devices = [torch.cuda.current_device()] if cuda_available() else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                destroy_model_parallel()
+                parallel_state._HYBRID_DP_CP_GROUPS = {}  # filled in place, not reset by destroy
+                tp_random._CUDA_RNG_STATE_TRACKER = None
+                tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+                initialize_model_parallel(layout)
+                model_parallel_cuda_manual_seed(seed)
+                self._state = _capture()
+        finally:
+            _install(outer)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        outer = _capture()
+        _install(self._state)
+        try:
+            yield
+        finally:
+            self._state = _capture()  # what megatron set meanwhile (VPP rank, RNG states, ...)
+            _install(outer)

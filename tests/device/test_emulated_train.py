@@ -94,21 +94,25 @@ def test_gspo_train_multi_turn_episodes_ep2(tmp_path):
 
 @pytest.mark.distributed
 def test_gspo_train_ppo_with_a_reward_model_tp2_sp(tmp_path):
-    """Two ranks with tensor and sequence parallelism running PPO: the critic (initialised
-    from a reward model) with its forward and value steps, GAE, a learned reward model scoring
-    on every rank (from a Hugging Face sequence-classification directory), the critic offloaded
-    during rollouts and saved and resumed with the policy."""
+    """Two ranks, the policy with tensor and sequence parallelism, running PPO: the critic on a
+    layout of its own (data parallel, its own process groups; starting from the policy's
+    seeded weights through a scratch checkpoint) with its forward and value steps, GAE, a
+    learned reward model scoring on every rank (from a Hugging Face sequence-classification
+    directory), the critic offloaded during rollouts and saved and resumed with the policy."""
     rm = hf_policy(tmp_path / "rm", reward_model=True)
     run = tmp_path / "run"
-    common = ["parallel=tp2", "algorithm=ppo", f"critic.init_from={rm}",
-              f"reward.model_path={rm}", "reward.model_weight=0.1",
-              "trainer.offload_during_rollout=optimizer", "trainer.eval_every=0"]  # fmt: skip
+    common = ["parallel=tp2", "algorithm=ppo", "critic.parallel.tp=1",
+              "critic.parallel.sequence_parallel=false", f"reward.model_path={rm}",
+              "reward.model_weight=0.1", "trainer.offload_during_rollout=optimizer",
+              "trainer.eval_every=0"]  # fmt: skip
     emulated_train(run, *common, "critic.warmup_steps=1", "trainer.steps=2", nproc=2)
     emulated_train(run, *common, "critic.warmup_steps=1", "trainer.steps=3", nproc=2)
     records = read_metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["actor/optimizer_steps"] == 0 and records[0]["critic/optimizer_steps"] == 2
     assert all(r["reward/model_std"] > 0 for r in records)
-    # the critic starts as the reward model: its values are the model's scores, not 0
-    assert abs(records[0]["critic/values_mean"]) > 1e-3
-    assert (run / "checkpoints" / "step_000003" / "critic" / "gspo_checkpoint.json").is_file()
+    # the critic's head starts at zero, then learns
+    assert records[0]["critic/values_mean"] == 0.0 and records[2]["critic/values_mean"] != 0.0
+    critic = run / "checkpoints" / "step_000003" / "critic" / "gspo_checkpoint.json"
+    assert json.loads(critic.read_text())["layout"]["tp"] == 1
+    assert not (run / "critic_init_from_policy").exists()

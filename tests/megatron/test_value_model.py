@@ -32,6 +32,9 @@ LAYOUTS = [
     ("", 2, "dp2"),
     ("tiny_dense:tp=2", 2, "dense-tp2"),  # MoE needs sequence parallelism with tp > 1
     ("tiny_dense:pp=2", 2, "dense-pp2"),  # tied embeddings, untied for the value head
+    # A critic on process groups of its own beside a policy on another layout (critic@policy).
+    ("pp=2@tp=2,sp=1", 2, "pp2-beside-policy-tp2-sp"),
+    ("tp=2,sp=1@ep=2", 2, "tp2-sp-beside-policy-ep2"),
 ]
 # tp2+sp+pp2+ep2 on 4 ranks also matched (gradients 7.2e-7); left out for time: the policy's
 # layout tests compose the parallelisms, the value model only adds its head on the last stage.
@@ -132,6 +135,13 @@ def test_value_model_layout_matches_single_process(layout_checks, layout, nproc)
             expected |= {f"{mode}/{step}/{kind}" for kind in STEP_CHECKS}
             # Several micro-batches per rank, against the reference's single one.
             assert checks[f"{mode}/{step}/min_microbatches_per_rank"]["value"] >= 2
+    if "@" in layout:
+        expected.add("policy_logprobs_unchanged_after_building_the_critic")
+        expected |= {
+            f"policy_logprobs_unchanged_after_{mode}_{step}"
+            for mode in ("padded", "packed")
+            for step in ("step1", "step2")
+        }
     assert expected <= checks.keys(), expected - checks.keys()
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed

@@ -15,6 +15,9 @@ so that every layout reads it back in its own sharding) and the values after it.
 `--ref-dir DIR --layout [NAME:]LAYOUT` loads those initial weights on the layout, checks the head
 it loaded is the seeded one, cuts the same batch into several micro-batches (padded, then
 packed) and checks values, metrics, gradients and weights of both steps against the reference.
+`[NAME:]LAYOUT@POLICY_LAYOUT` runs the same value engine on process groups of its own
+(`parallel.LayoutGroups`) beside a policy on POLICY_LAYOUT, the layout `parallel.initialize`
+made: the policy runs between the critic's steps, and its log-probs must not change.
 
 Prints one JSON line per check on rank 0: {"layout", "check", "value", "tol", "ok"}. Several
 `--layout`s run one after another in the same processes (start-up is most of their time).
@@ -72,7 +75,12 @@ VALUE_METRICS = (
 
 
 def build_engine(
-    model: str, layout: ParallelLayout, microbatch_tokens: int, *, value_head: bool = True
+    model: str,
+    layout: ParallelLayout,
+    microbatch_tokens: int,
+    *,
+    value_head: bool = True,
+    groups: parallel.LayoutGroups | None = None,
 ) -> TrainingEngine:
     return TrainingEngine(
         load_preset(model, num_hidden_layers=NUM_LAYERS),
@@ -86,6 +94,7 @@ def build_engine(
             name="sgd", lr=LR, clip_grad=0.0, weight_decay=0.0, distributed_optimizer=False
         ),
         value_head=value_head,
+        groups=groups,
     )
 
 
@@ -373,15 +382,35 @@ def gradient_differences(engine: TrainingEngine, expected) -> tuple[float, float
 
 
 def check_layout(
-    ref_root: Path, model: str, layout: ParallelLayout, tokens: int
+    ref_root: Path,
+    model: str,
+    layout: ParallelLayout,
+    tokens: int,
+    policy_layout: ParallelLayout | None = None,
 ) -> list[tuple[str, float, float | None]]:
     """(check, value, tolerance or None) of every check (rank 0's are reported)."""
     ref_dir = ref_root / model
-    parallel.initialize(layout, seed=1234)
-    engine = build_engine(model, layout, microbatch_tokens=tokens)
+    samples = make_samples()
+    results = []
+    policy, groups = None, None
+    if policy_layout is None:
+        parallel.initialize(layout, seed=1234)
+    else:
+        parallel.initialize(policy_layout, seed=1234)
+        policy = build_engine(model, policy_layout, tokens, value_head=False)
+        policy_logprobs = policy.forward(samples).logprobs
+        groups = parallel.LayoutGroups(layout, seed=1234)
+
+    def policy_still_runs(when: str) -> None:
+        if policy is not None:
+            diff = max_abs_diff(policy.forward(samples).logprobs, policy_logprobs)
+            results.append((f"policy_logprobs_unchanged_{when}", diff, 0.0))
+
+    engine = build_engine(model, layout, microbatch_tokens=tokens, groups=groups)
+    policy_still_runs("after_building_the_critic")
     reference = torch.load(ref_dir / "reference.pt", weights_only=False)
     checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
-    results = [("loaded_head_vs_seeded_max_abs_diff", loaded_head_difference(engine), 0.0)]
+    results.append(("loaded_head_vs_seeded_max_abs_diff", loaded_head_difference(engine), 0.0))
     heads = torch.tensor([len(value_heads(engine))])
     dist.all_reduce(heads)  # one on each rank of the last pipeline stage
     results.append(
@@ -389,15 +418,15 @@ def check_layout(
     )
     initial = trained_weights(engine)
     chunks = engine.unwrapped_chunks
-    weights_after = [
-        checkpointing.load_reference_weights(chunks, ref_dir / f"after_step{k}")
-        for k in range(1, STEPS + 1)
-    ]
-    gradients = [
-        checkpointing.load_reference_weights(chunks, ref_dir / f"grad_step{k}")
-        for k in range(1, STEPS + 1)
-    ]
-    samples = make_samples()
+    with engine.own_layout():  # sharded reads of the value engine's layout
+        weights_after = [
+            checkpointing.load_reference_weights(chunks, ref_dir / f"after_step{k}")
+            for k in range(1, STEPS + 1)
+        ]
+        gradients = [
+            checkpointing.load_reference_weights(chunks, ref_dir / f"grad_step{k}")
+            for k in range(1, STEPS + 1)
+        ]
     train = with_targets(samples, [v.numpy() for v in reference["values"]])
     for mode in ("padded", "packed"):
         engine.settings.pack_sequences = mode == "packed"
@@ -428,7 +457,10 @@ def check_layout(
             dist.all_reduce(count, op=dist.ReduceOp.MIN)
             results.append((f"{name}/min_microbatches_per_rank", float(count), None))
             start = weights_after[step - 1]
+            policy_still_runs(f"after_{mode}_{name.rpartition('/')[2]}")
     engine.close()
+    if policy is not None:
+        policy.close()
     parallel.destroy_model_parallel()
     return results
 
@@ -458,10 +490,15 @@ def main() -> int:
         out.mkdir(parents=True)
         report(f"{args.model}:single", make_reference(out, args.model))
     else:
+        world = parallel.world_size_from_env()
         for case in args.layout or [""]:
-            model, _, text = case.rpartition(":")
-            layout = parse_layout(text, parallel.world_size_from_env())
-            results = check_layout(args.ref_dir, model or MODELS[0], layout, args.microbatch_tokens)
+            critic, _, policy = case.partition("@")
+            model, _, text = critic.rpartition(":")
+            layout = parse_layout(text, world)
+            policy_layout = parse_layout(policy, world) if "@" in case else None
+            results = check_layout(
+                args.ref_dir, model or MODELS[0], layout, args.microbatch_tokens, policy_layout
+            )
             report(case, results)
     parallel.destroy()
     return 0

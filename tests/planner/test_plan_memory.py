@@ -19,6 +19,7 @@ from gspo_megatron.memory_plan import (
     model_params,
     plan,
     stage_params,
+    training_state_gib,
 )
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import PRESET_DIR, load_preset
@@ -207,6 +208,38 @@ def test_ppo_critic_counts_a_second_trained_model():
     cfg, model, layout = resolve(compose(["algorithm=ppo", "algorithm.kl_reward_coef=0.1"]))
     settings = settings_from_config(cfg, model, layout, gpu_memory_gib=80)
     assert settings.critic_model and settings.reference_model
+    assert settings.critic_layout == layout
+
+
+def test_a_critic_on_its_own_layout_is_counted_on_that_layout():
+    """Policy pp2 over 16 ranks; the critic on one pipeline stage: every rank holds a whole
+    critic's layers (its ep8 and data-parallel share of them), whichever policy stage it is in."""
+    model = load_preset("qwen3_30b_a3b")
+    common = dict(micro_batch_tokens=8192, tp=2, pp=2, sequence_parallel=True, ep=8)
+    critic_layout = ParallelLayout(world_size=16, tp=2, sequence_parallel=True, ep=8)
+    ppo = _plan("qwen3_30b_a3b", 16, critic_model=True, critic_layout=critic_layout, **common)
+    critic_settings = PlanSettings(micro_batch_tokens=8192)
+    whole = sum(training_state_gib(model, critic_layout, 0, critic_settings))
+    for stage in ppo.stages:
+        assert stage.critic == pytest.approx(whole)
+    same = _plan("qwen3_30b_a3b", 16, critic_model=True, **common)
+    assert all(a.critic < b.critic for a, b in zip(same.stages, ppo.stages, strict=True))
+    # critic pp4 under policy pp2: policy stage 0 holds critic stages 0 and 1; the larger counts
+    deep = ParallelLayout(world_size=16, tp=2, pp=4, sequence_parallel=True, ep=4)
+    split = _plan("qwen3_30b_a3b", 16, critic_model=True, critic_layout=deep, **common)
+    for stage, (first, second) in zip(split.stages, [(0, 1), (2, 3)], strict=True):
+        expected = max(
+            sum(training_state_gib(model, deep, s, critic_settings)) for s in (first, second)
+        )
+        assert stage.critic == pytest.approx(expected)
+    from gspo_megatron.config import compose, resolve
+    from gspo_megatron.memory_plan import settings_from_config
+
+    overrides = ["algorithm=ppo", "parallel.tp=2", "parallel.sequence_parallel=true",
+                 "critic.parallel.tp=1", "critic.parallel.sequence_parallel=false"]  # fmt: skip
+    cfg, model, layout = resolve(compose(overrides), world_size=2)
+    settings = settings_from_config(cfg, model, layout, gpu_memory_gib=80)
+    assert settings.critic_layout == ParallelLayout(world_size=2)
 
 
 def test_worst_rank_is_reported():

@@ -166,6 +166,12 @@ def test_offload_moves_the_critic_out_while_rollouts_generate(composer, tokenize
         (("algorithm.loss=gmpo",), "algorithm.loss=gmpo takes one advantage per sequence"),
         (("critic.warmup_steps=2",), "critic.warmup_steps=2 leaves no step"),
         (("critic.optimizer.min_lr=1",), "critic.optimizer.min_lr=1 must not exceed"),
+        (("critic.parallel.tp=2",), r"world size 1 is not divisible by critic\.parallel\.tp"),
+        (
+            ("critic.parallel.sequence_parallel=true",),
+            r"critic\.parallel\.sequence_parallel needs critic\.parallel\.tp > 1",
+        ),
+        (("critic.parallel.tp=0",), r"critic\.parallel\.tp must be a positive integer"),
     ],
 )
 def test_refused_ppo_configurations(composer, overrides, fragment):
@@ -183,6 +189,7 @@ def test_refused_ppo_configurations(composer, overrides, fragment):
         ("algorithm.gamma=0.9", "algorithm.gamma"),
         ("algorithm.lam=0.5", "algorithm.lam"),
         ("algorithm.kl_reward_coef=0.1", "algorithm.kl_reward_coef"),
+        ("critic.parallel.pp=1", "critic.parallel"),
     ],
 )
 def test_critic_settings_without_gae_are_refused(composer, override, key):
