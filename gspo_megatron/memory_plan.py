@@ -199,6 +199,9 @@ class PlanSettings:
     # one minibatch at a time, so its activations reuse the policy's.
     critic_model: bool = False
     critic_layout: ParallelLayout | None = None
+    # A learned reward model (reward.model_path): its own architecture, frozen (weights only)
+    # on the policy's layout; it scores while rollouts are generated, so it is never offloaded.
+    reward_model: ModelConfig | None = None
     offload_during_rollout: str = "none"  # none | optimizer | all (trainer.offload_during_rollout)
 
     def __post_init__(self) -> None:
@@ -279,6 +282,7 @@ class RankMemory:
     reference: float  # the frozen KL reference's weights (0 without one)
     critic: float  # PPO's value model: weights, gradients and optimizer state (0 without one)
     critic_optimizer: float  # of which its optimizer state
+    reward_model: float  # a learned reward model's weights (0 without one)
     grads: float
     optimizer: float
     activations_full: float  # without recomputation
@@ -293,7 +297,14 @@ class RankMemory:
 
     @property
     def static(self) -> float:
-        return self.weights + self.reference + self.critic + self.grads + self.optimizer
+        return (
+            self.weights
+            + self.reference
+            + self.critic
+            + self.reward_model
+            + self.grads
+            + self.optimizer
+        )
 
     @property
     def training_peak(self) -> float:
@@ -342,7 +353,7 @@ class MemoryPlan:
         s = self.settings
         rows = [
             f"{'stage':>5} {'ranks':>11} {'params':>8} {'weights':>8} {'ref':>6} {'critic':>6} "
-            f"{'grads':>7} "
+            f"{'rm':>6} {'grads':>7} "
             f"{'optim':>7} {'act':>7} {'act(rc)':>7} {'rollout':>7} {'other':>6} "
             f"{'train':>7} {'gen':>7}  (GiB)"
         ]
@@ -351,7 +362,7 @@ class MemoryPlan:
             rows.append(
                 f"{r.stage:>5} {f'{r.ranks[0]}-{r.ranks[1]}':>11} "
                 f"{_count(r.params.total):>8} {r.weights:>8.1f} {r.reference:>6.1f} "
-                f"{r.critic:>6.1f} {r.grads:>7.1f} "
+                f"{r.critic:>6.1f} {r.reward_model:>6.1f} {r.grads:>7.1f} "
                 f"{r.optimizer:>7.1f} {r.activations_full:>7.1f} {r.activations_recompute:>7.1f} "
                 f"{rollout:>7.1f} {r.overhead + r.fragmentation:>6.1f} "
                 f"{r.training_peak:>7.1f} {r.generation_peak:>7.1f}"
@@ -389,6 +400,8 @@ class MemoryPlan:
                 )
             if w.critic:
                 tip += f"; PPO's critic takes {w.critic:.1f} GiB of it"
+            if w.reward_model:
+                tip += f"; the reward model's weights take {w.reward_model:.1f} GiB of it"
             return tip
         tips = []
         if not s.recompute and w.activations_full > w.activations_recompute:
@@ -429,6 +442,7 @@ class MemoryPlan:
                     "weights_gib": r.weights,
                     "reference_gib": r.reference,
                     "critic_gib": r.critic,
+                    "reward_model_gib": r.reward_model,
                     "grads_gib": r.grads,
                     "optimizer_gib": r.optimizer,
                     "activations_gib": r.activations,
@@ -485,6 +499,9 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
                 )
             ]
             critic, critic_optimizer = max((sum(state), state[2]) for state in states)
+        reward_model = 0.0
+        if settings.reward_model is not None:
+            reward_model = training_state_gib(settings.reward_model, layout, stage, settings)[0]
         offloaded = 0.0
         if settings.offload_during_rollout != "none":
             offloaded = optimizer + critic_optimizer
@@ -504,6 +521,7 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
                 reference=reference,
                 critic=critic,
                 critic_optimizer=critic_optimizer,
+                reward_model=reward_model,
                 grads=grads,
                 optimizer=optimizer,
                 activations_full=full / GIB,
@@ -591,8 +609,21 @@ def settings_from_config(
         reference_model=alg.kl_coef > 0 or alg.kl_reward_coef > 0,
         critic_model=alg.advantage == "gae",
         critic_layout=run_cfg.critic_layout(layout.world_size) if alg.advantage == "gae" else None,
+        reward_model=_reward_model_config(run_cfg.reward.model_path, model),
         offload_during_rollout=run_cfg.trainer.offload_during_rollout,
     )
+
+
+def _reward_model_config(path: str | None, policy: ModelConfig) -> ModelConfig | None:
+    """reward.model_path's architecture, in the policy's dtype (as gspo-train loads it)."""
+    if not path:
+        return None
+    from gspo_megatron.checkpoint.loading import read_model_config
+
+    try:
+        return read_model_config(path, params_dtype=policy.params_dtype)
+    except (OSError, ValueError) as err:
+        raise PlanError(f"reward.model_path={path}: {err}") from err
 
 
 def fit_warning(

@@ -48,7 +48,6 @@ from gspo_megatron.checkpoint.meta import (
     read_meta,
 )
 from gspo_megatron.checkpoint.safe_load import read_dcp_metadata
-from gspo_megatron.megatron import checkpointing
 from gspo_megatron.spec.model_config import ModelConfig
 
 
@@ -285,6 +284,8 @@ def load_weights(
         _check_megatron_head(path, model_config, value_head, head)
         if head == "init":
             chunks = [_WithoutHead(chunk) for chunk in chunks]
+        from gspo_megatron.megatron import checkpointing
+
         return checkpointing.load_model_weights(chunks, path, model_config)
     raise ConversionError(
         f"{path}: neither an HF model directory (config.json + *.safetensors) nor a megatron "

@@ -242,6 +242,35 @@ def test_a_critic_on_its_own_layout_is_counted_on_that_layout():
     assert settings.critic_layout == ParallelLayout(world_size=2)
 
 
+def test_a_reward_model_is_counted_as_resident_weights(tmp_path):
+    """A learned reward model: its own architecture's weights on the policy's layout, kept on
+    the GPU while generating (it scores there), read from reward.model_path's config."""
+    common = dict(micro_batch_tokens=8192, tp=2, pp=2, sequence_parallel=True, ep=8)
+    scorer = load_preset("qwen3_30b_a3b", num_hidden_layers=24)
+    alone = _plan("qwen3_30b_a3b", 16, offload_during_rollout="all", **common)
+    scored = _plan("qwen3_30b_a3b", 16, offload_during_rollout="all", reward_model=scorer, **common)
+    layout = ParallelLayout(
+        world_size=16, **{k: common[k] for k in common if k != "micro_batch_tokens"}
+    )
+    for stage, (a, b) in enumerate(zip(alone.stages, scored.stages, strict=True)):
+        weights = training_state_gib(scorer, layout, stage, PlanSettings(micro_batch_tokens=1))[0]
+        assert b.reward_model == pytest.approx(weights) and 0 < weights < b.weights
+        assert b.static == pytest.approx(a.static + weights)
+        assert b.offloaded == a.offloaded  # resident through generation
+        assert b.generation_peak == pytest.approx(a.generation_peak + weights)
+    assert " rm " in scored.table()
+    from launch import hf_policy
+
+    from gspo_megatron.config import compose, resolve
+    from gspo_megatron.memory_plan import settings_from_config
+
+    rm = hf_policy(tmp_path / "rm", reward_model=True, num_hidden_layers=2)
+    cfg, model, layout = resolve(compose(["algorithm=ppo", f"reward.model_path={rm}"]))
+    settings = settings_from_config(cfg, model, layout, gpu_memory_gib=80)
+    assert settings.reward_model.num_hidden_layers == 2
+    assert settings.reward_model.params_dtype == model.params_dtype
+
+
 def test_worst_rank_is_reported():
     p = _plan(
         "qwen3_30b_a3b", 16, micro_batch_tokens=18432, tp=2, pp=2, ep=8, sequence_parallel=True
