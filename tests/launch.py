@@ -81,6 +81,24 @@ def finish_worker(
 FAULT_INJECTOR = REPO / "tests" / "faults" / "inject"
 
 
+def layouts_by_launch(worker: Path, layouts, base_args: list[str]):
+    """checks(layout, nproc): a worker's result lines for one `--layout`, run at first need
+    together with every layout of that process count, in one launch (process start-up is most
+    of a small layout's time). `layouts`: (layout text, process count, test id) entries."""
+    done: dict[tuple[str, int], list[dict]] = {}
+
+    def checks(layout: str, nproc: int) -> list[dict]:
+        if (layout, nproc) not in done:
+            group = [text for text, n, _ in layouts if n == nproc]
+            args = [*base_args, *(arg for text in group for arg in ("--layout", text))]
+            results = run_worker(worker, args, nproc=nproc)
+            for text in group:
+                done[text, nproc] = [r for r in results if r["layout"] == text]
+        return done[layout, nproc]
+
+    return checks
+
+
 def gspo_train_command(run_dir: Path, overrides: list[str], nproc: int = 1) -> list[str]:
     """gspo-train (under gspo_megatron.torchrun for several ranks) with Hydra's run directory."""
     args = ["-m", "gspo_megatron.train", f"hydra.run.dir={run_dir}", *overrides]

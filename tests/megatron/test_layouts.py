@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import run_worker
+from launch import layouts_by_launch
 
 WORKERS = Path(__file__).resolve().parent
 
@@ -36,21 +36,9 @@ LAYOUTS = [
 
 @pytest.fixture(scope="module")
 def layout_checks(layout_reference):
-    """The checks of (layout, process count), run at first need with every layout of that
-    process count in one launch: process start-up is most of a small layout's time."""
-    done: dict[tuple[str, int], list[dict]] = {}
-
-    def checks(layout: str, nproc: int) -> list[dict]:
-        if (layout, nproc) not in done:
-            group = [text for text, n, _ in LAYOUTS if n == nproc]
-            args = ["--ref-dir", str(layout_reference)]
-            args += [arg for text in group for arg in ("--layout", text)]
-            results = run_worker(WORKERS / "layout_worker.py", args, nproc=nproc)
-            for text in group:
-                done[text, nproc] = [r for r in results if r["layout"] == text]
-        return done[layout, nproc]
-
-    return checks
+    return layouts_by_launch(
+        WORKERS / "layout_worker.py", LAYOUTS, ["--ref-dir", str(layout_reference)]
+    )
 
 
 @pytest.mark.distributed

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from launch import finish_worker, run_worker, start_worker
+from launch import finish_worker, layouts_by_launch, start_worker
 
 WORKER = Path(__file__).resolve().parent / "value_worker.py"
 MODELS = ("tiny_moe", "tiny_dense")
@@ -67,21 +67,7 @@ def value_reference(tmp_path_factory) -> tuple[Path, list[dict]]:
 
 @pytest.fixture(scope="module")
 def layout_checks(value_reference):
-    """The checks of (layout, process count), run at first need with every layout of that
-    process count in one launch: process start-up is most of a small layout's time."""
-    done: dict[tuple[str, int], list[dict]] = {}
-
-    def checks(layout: str, nproc: int) -> list[dict]:
-        if (layout, nproc) not in done:
-            group = [text for text, n, _ in LAYOUTS if n == nproc]
-            args = ["--ref-dir", str(value_reference[0])]
-            args += [arg for text in group for arg in ("--layout", text)]
-            results = run_worker(WORKER, args, nproc=nproc)
-            for text in group:
-                done[text, nproc] = [r for r in results if r["layout"] == text]
-        return done[layout, nproc]
-
-    return checks
+    return layouts_by_launch(WORKER, LAYOUTS, ["--ref-dir", str(value_reference[0])])
 
 
 @pytest.mark.parametrize("model", MODELS)
