@@ -35,6 +35,7 @@ from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.config import RunConfig
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
+from gspo_megatron.evaluation import benchmark_metrics
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.driver import RolloutDriver
 from gspo_megatron.rollout.engine import (
@@ -638,7 +639,8 @@ class Trainer:
         self.rollouts.update_weights(self.step + 1)
 
     def evaluate(self) -> dict[str, float]:
-        """avg@k reward, pass@1 and pass@k on the held-out prompts."""
+        """The mean reward, avg@k, pass@1 and pass@k (unbiased, evaluation/metrics.py) of
+        k = rollout.eval_samples responses per held-out prompt; solved = reward >= 1."""
         if self.eval_data is None or len(self.eval_data) == 0:
             return {}
         r = self.cfg.rollout
@@ -656,11 +658,10 @@ class Trainer:
         groups = self._rollout_groups(prompts, r.eval_samples, params, **options)
         batch = RolloutBatch(prompts=prompts, groups=groups)
         rewards = self.score(batch, with_model=False)
-        solved = rewards >= 1.0
-        return {
-            f"eval/avg@{r.eval_samples}": float(rewards.mean()),
-            "eval/pass@1": float(solved.float().mean()),
-            f"eval/pass@{r.eval_samples}": float(solved.any(dim=1).float().mean()),
+        solved = (rewards >= 1.0).int().tolist()
+        metrics = benchmark_metrics(solved, sorted({1, r.eval_samples}))
+        return {"eval/reward_mean": float(rewards.mean())} | {
+            f"eval/{k}": v for k, v in metrics.items()
         }
 
     # -- metrics -----------------------------------------------------------------------------
