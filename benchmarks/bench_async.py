@@ -56,7 +56,7 @@ def throughput(args) -> None:
     common = [
         f"rollout.max_new_tokens={args.new_tokens}",
         f"trainer.steps={args.steps}",
-        "trainer.eval_every=0",
+        "eval.every=0",
         f"seed={args.seed}",
         *QUIET,
     ]

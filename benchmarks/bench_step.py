@@ -33,7 +33,7 @@ def main() -> int:
             "gspo_megatron.train",
             f"hydra.run.dir={tmp}",
             f"trainer.steps={args.steps}",
-            "trainer.eval_every=0",
+            "eval.every=0",
             "logging.progress=false",
             "logging.tensorboard=false",
             *overrides,

@@ -464,7 +464,7 @@ def our_overrides(hf_dir: Path, work: Path, seed: int, steps: int) -> list[str]:
         f"optimizer.lr={LR}",
         "optimizer.weight_decay=0.0",
         "optimizer.clip_grad=1.0",
-        "trainer.eval_every=0",
+        "eval.every=0",
         "logging.progress=false",
         "logging.tensorboard=false",
         f"seed={seed}",
@@ -481,10 +481,10 @@ def phase_ours(hf_dir: Path, work: Path, seed: int, steps: int, threads: int, ta
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
     from gspo_megatron.run_files import check_run_directory
-    from gspo_megatron.train import _quiet_libraries
+    from gspo_megatron.train import quiet_libraries
 
     _set_threads(threads)
-    _quiet_libraries()
+    quiet_libraries()
     run_dir = work / f"ours_run{tag}"
     run_cfg, model, layout = resolve(compose(our_overrides(hf_dir, work, seed, steps)), 1)
     check_run_directory(run_dir, run_cfg)

@@ -13,6 +13,7 @@ from gspo_megatron.spec.model_config import ModelConfig
 def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, run_dir: Path):
     from gspo_megatron.data.config import build_datasets
     from gspo_megatron.data.vocab import check_prompt_ids, check_vocab
+    from gspo_megatron.evaluation.benchmarks import build_benchmarks
     from gspo_megatron.megatron import parallel
     from gspo_megatron.peers import PeerWatchdog
     from gspo_megatron.ranks import ProcessGroupRanks
@@ -35,6 +36,10 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
             f"{cfg.rollout.max_new_tokens} exceeds engine.max_sequence_length="
             f"{cfg.engine.max_sequence_length}"
         )
+    scorer = build_scorer(cfg.reward)
+    benchmarks = build_benchmarks(
+        cfg, tokenizer, eval_data, scorer, vocab_size=model.vocab_size, seed=cfg.seed
+    )
     _warn_about_memory(cfg, model, layout)
     if cfg.rollout.engine == "sglang":
         sglang_config(cfg)  # its errors before the model is built
@@ -48,7 +53,6 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         # resumed run keeps the same reference (model.init_from, or the seeded initialisation).
         reference = TrainingEngine.frozen_copy(engine)
     critic = build_critic(cfg, engine, run_dir) if cfg.algorithm.advantage == "gae" else None
-    scorer = build_scorer(cfg.reward)
     reward_model = None
     if cfg.reward.model_path:
         from gspo_megatron.megatron.reward_model import RewardModel
@@ -65,7 +69,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         scorer=scorer,
         tokenizer=tokenizer,
         train_data=train_data,
-        eval_data=eval_data,
+        benchmarks=benchmarks,
         ranks=ranks,
         log=MetricsLogger(run_dir, cfg, total_steps=cfg.trainer.steps, enabled=ranks.rank == 0),
         checkpoints=RunCheckpoints(run_dir, keep_last=cfg.trainer.keep_last),

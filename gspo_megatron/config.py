@@ -2,7 +2,7 @@
 default and its allowed values, validated before any work.
 
 They are Hydra's schema (`register_schema`: conf/config.yaml starts from it); the preset files of
-the groups model/ algorithm/ parallel/ rollout/ data/ reward/ env/ hold only what a preset
+the groups model/ algorithm/ parallel/ rollout/ data/ reward/ env/ eval/ hold only what a preset
 changes. `resolve()` turns the composed config into these dataclasses, refusing unknown keys
 with their full path, checking every value, and deriving the values that depend on several
 sections, in one place. Nothing here imports megatron.
@@ -20,6 +20,7 @@ from gspo_megatron.config_fields import bounded, check_fields, choice
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.data.tokenizer import CHAR_TOKENIZER_NAMES
 from gspo_megatron.envs.registry import EnvConfig
+from gspo_megatron.evaluation.config import REWARD_KEYS, EvalConfig
 from gspo_megatron.rewards.registry import RewardConfig
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
@@ -183,9 +184,9 @@ class RolloutSection:
     """`rollout/`: how responses are generated.
 
     engine: embedded (in-process, default) | sglang. prompts_per_step × group_size responses
-    per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens. Evaluation:
-    eval_temperature (0 = greedy) and eval_samples (k of avg@k / pass@k). sglang: keyword
-    arguments of gspo_megatron.rollout.sglang.SGLangEngineConfig.
+    per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens (evaluation's
+    sampling is the `eval` section's). sglang: keyword arguments of
+    gspo_megatron.rollout.sglang.SGLangEngineConfig.
     mode: sync (generate, then train) | one_step_off (batch k+1 generates while batch k trains,
     with the weights from before step k) | async (queue_batches batches generate ahead, taking
     new weights between any two tokens: partial rollouts). One_step_off and async run the
@@ -209,19 +210,16 @@ class RolloutSection:
     top_p: float = bounded(1.0, gt=0, le=1)
     top_k: int = bounded(-1, ge=1, special=(-1,))
     max_new_tokens: int = bounded(4, ge=1)
-    eval_temperature: float = bounded(0.0, ge=0)
-    eval_samples: int = bounded(1, ge=1)
-    eval_prompts: int = bounded(64, ge=0)
     max_batch_tokens: int = bounded(16384, ge=1)
     sglang: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class TrainerSection:
-    """`trainer`: the run's length and its schedule of evaluation and checkpoints.
+    """`trainer`: the run's length and its schedule of checkpoints (evaluation's: `eval.every`).
 
     steps: RL steps (each = one rollout batch and algorithm.num_minibatches optimizer steps).
-    eval_every: in RL steps (0 = never). save_every / save_every_minutes: a checkpoint every
+    save_every / save_every_minutes: a checkpoint every
     N RL steps or T minutes, whichever comes first (0 turns either off); one is always written
     at the end and on SIGTERM/SIGINT. keep_last: intact checkpoints kept (older ones are
     deleted, newer ones never). resume: auto (the newest checkpoint of this run directory that
@@ -240,7 +238,6 @@ class TrainerSection:
     """
 
     steps: int = bounded(800, ge=1)
-    eval_every: int = bounded(10, ge=0)
     save_every: int = bounded(100, ge=0)
     save_every_minutes: float = bounded(30.0, ge=0)
     keep_last: int = bounded(2, ge=1)
@@ -278,6 +275,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -311,6 +309,10 @@ _RENAMED = {
         "warmup_steps", "decay_style", "distributed_optimizer")},
     **{f"trainer.{name}": f"engine.{name}" for name in (
         "max_sequence_length", "max_tokens_per_microbatch", "nonfinite", "recompute_activations")},
+    "trainer.eval_every": "eval.every",
+    "rollout.eval_temperature": "eval.heldout.temperature",
+    "rollout.eval_samples": "eval.heldout.samples",
+    "rollout.eval_prompts": "eval.heldout.problems",
 }  # fmt: skip
 _REMOVED = {
     "model.router_aux_loss_coef": "the MoE load-balancing loss of RL training is "
@@ -333,18 +335,41 @@ def old_key_message(key: str) -> str | None:
 def register_schema() -> None:
     """Store these dataclasses in Hydra's ConfigStore as `gspo_config`, the node conf/config.yaml
     starts from (call before composing). The model section is a plain mapping there: its keys
-    are a preset's ModelConfig fields, checked by `resolve`."""
+    are a preset's ModelConfig fields, checked by `resolve`; so are mappings of sections
+    (eval.benchmarks), so that a new entry can be given whole on the command line."""
     from hydra.core.config_store import ConfigStore
 
-    hints = typing.get_type_hints(RunConfig)
-    fields = [
-        (f.name, dict[str, Any], field(default_factory=dict))
-        if f.name == "model"
-        else (f.name, hints[f.name], f)
-        for f in dataclasses.fields(RunConfig)
-    ]
-    schema = dataclasses.make_dataclass("GspoConfig", fields)
-    ConfigStore.instance().store(name="gspo_config", node=schema)
+    ConfigStore.instance().store(name="gspo_config", node=_hydra_schema(RunConfig))
+
+
+def _hydra_schema(cls) -> type:
+    """`cls` with its mappings of dataclasses (and the model section) as plain mappings."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        if (cls is RunConfig and f.name == "model") or (
+            typing.get_origin(hint) is dict and args and dataclasses.is_dataclass(args[1])
+        ):
+            fields.append((f.name, dict[str, Any], field(default_factory=dict)))
+        elif dataclasses.is_dataclass(hint) and (schema := _hydra_schema(hint)) is not hint:
+            fields.append((f.name, schema, field(default_factory=_as_schema(f, schema))))
+        else:
+            fields.append((f.name, hint, f))
+    if all(f is g[2] for f, g in zip(dataclasses.fields(cls), fields, strict=True)):
+        return cls
+    return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+def _as_schema(f: dataclasses.Field, schema: type):
+    """A default factory of `schema` holding the values of field `f`'s default."""
+
+    def make():
+        default = f.default_factory()
+        return schema(**{g.name: getattr(default, g.name) for g in dataclasses.fields(default)})
+
+    return make
 
 
 def compose(overrides: list[str]) -> dict[str, Any]:
@@ -372,11 +397,16 @@ def check_overrides(overrides: list[str]) -> None:
 
 
 def resolve(
-    raw: dict[str, Any], world_size: int = 1, *, check_paths: bool = True
+    raw: dict[str, Any],
+    world_size: int = 1,
+    *,
+    check_paths: bool = True,
+    for_training: bool = True,
 ) -> tuple[RunConfig, ModelConfig, ParallelLayout]:
     """Composed config dict -> validated RunConfig, ModelConfig and ParallelLayout.
 
     check_paths: the input files the config names must exist (off for dry runs elsewhere).
+    for_training: training prompts are needed (gspo-eval needs none).
     """
     raw = dict(raw)
     raw.pop("hydra", None)
@@ -409,9 +439,13 @@ def resolve(
                 _check_layout_fits(critic_layout, model, cfg)
             except ValueError as err:
                 raise ConfigError(str(err).replace("parallel.", "critic.parallel.")) from err
-        cfg.data.validate()
+        cfg.data.validate(for_training=for_training)
         cfg.reward.validate()
         cfg.env.validate()
+        cfg.eval.validate()
+        for name, bench in cfg.eval.benchmarks.items():
+            benchmark_reward(cfg, bench, f"eval.benchmarks.{name}")
+            benchmark_reading(cfg, bench, f"eval.benchmarks.{name}")
     except ConfigError:
         raise
     except ValueError as err:
@@ -420,6 +454,41 @@ def resolve(
     if check_paths and (missing := missing_paths(cfg)):
         raise ConfigError(missing[0])
     return cfg, model, layout
+
+
+def benchmark_reward(cfg: RunConfig, bench, key: str) -> RewardConfig:
+    """The reward section a benchmark scores with: the run's, with the benchmark's `reward`
+    keys over it and no learned reward model."""
+    if not bench.reward:
+        return cfg.reward
+    values = {k: getattr(cfg.reward, k) for k in REWARD_KEYS} | bench.reward
+    if "name" in bench.reward and "kwargs" not in bench.reward:
+        values["kwargs"] = {}  # another reward does not take the run's reward's arguments
+    reward = RewardConfig(**values)
+    try:
+        reward.validate()
+    except ValueError as err:
+        raise ConfigError(str(err).replace("reward.", f"{key}.reward.")) from err
+    return reward
+
+
+def benchmark_reading(cfg: RunConfig, bench, key: str) -> DataConfig:
+    """How a benchmark's files are read: the data section with the benchmark's `data` keys over
+    it. A benchmark's rows must all be scored, so a bad row stops loading unless its own
+    data.on_error says skip; and it needs labels."""
+    values = {"on_error": "raise"} | bench.data
+    try:
+        reading = dataclasses.replace(cfg.data, **values)
+    except TypeError as err:
+        raise ConfigError(f"{key}.data: {err}") from err
+    problems = check_fields(reading, f"{key}.data")
+    if problems:
+        raise ConfigError(problems[0])
+    if reading.label_key is None:
+        raise ConfigError(
+            f"{key}.data.label_key is null: a benchmark's problems need labels to be scored"
+        )
+    return reading
 
 
 def _check_layout_fits(layout: ParallelLayout, model: ModelConfig, cfg: RunConfig) -> None:
@@ -450,6 +519,10 @@ def missing_paths(cfg: RunConfig) -> list[str]:
         for path in getattr(cfg.data, key, None) or []:
             if not Path(path).exists():
                 out.append(f"data.{key} entry {path} does not exist")
+    for name, bench in cfg.eval.benchmarks.items():
+        for path in bench.files:
+            if not Path(path).exists():
+                out.append(f"eval.benchmarks.{name}.files entry {path} does not exist")
     return out
 
 
@@ -684,6 +757,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        if args and dataclasses.is_dataclass(args[1]):
+            return {k: _build(args[1], v, f"{key}.{k}") for k, v in value.items()}
         return dict(value)
     base = next((a for a in args if a is not type(None)), hint) if args else hint
     if base is bool and not isinstance(value, bool):

@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ _RESUMABLE_CHANGES = {
     "trainer.steps",
     "trainer.resume",
     "trainer.allow_different_config",
-    "trainer.eval_every",
+    "eval",
     "trainer.save_every",
     "trainer.save_every_minutes",
     "trainer.keep_last",
@@ -91,7 +92,7 @@ def check_run_directory(run_dir: Path, cfg: RunConfig) -> None:
                 "use a new output directory, or set trainer.allow_different_config=true"
             )
     if not dist.is_initialized() or dist.get_rank() == 0:
-        _write_atomically(config_file, json.dumps(mine, indent=2, sort_keys=True))
+        write_atomically(config_file, json.dumps(mine, indent=2, sort_keys=True))
 
 
 def _resumable(key: str) -> bool:
@@ -301,6 +302,18 @@ class MetricsLogger:
                 refresh=True,
             )
 
+    def write_records(self, step: int, name: str, records: Sequence[dict[str, Any]]) -> None:
+        """A benchmark's per-problem records at `step`: eval/step_<N>/<name>.jsonl."""
+        if not self.enabled:
+            return
+        from gspo_megatron.evaluation.benchmarks import write_records
+
+        path = self.path.parent / "eval" / f"step_{step:06d}" / f"{name}.jsonl"
+        try:
+            write_records(path, records)
+        except OSError as err:
+            raise RunFileError(f"{path}: could not write the evaluation's records ({err})") from err
+
     def rewind(self, step: int) -> None:
         """Keep the records of steps 1..`step`; move later ones (a killed run's last steps, or
         a future the resumed run no longer follows) and unreadable lines to
@@ -321,7 +334,7 @@ class MetricsLogger:
                 f.write("".join(line + "\n" for line in moved))
                 f.flush()
                 os.fsync(f.fileno())
-            _write_atomically(self.path, "".join(line + "\n" for line in kept))
+            write_atomically(self.path, "".join(line + "\n" for line in kept))
             note(f"moved {len(moved)} metrics record(s) after step {step} to {side.name}")
         if self.bar is not None:
             self.bar.n = step
@@ -352,9 +365,10 @@ class MetricsLogger:
             self.bar.close()
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
+    """`text` in a temporary file renamed into place: a kill leaves the old file or the new."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -32,7 +32,7 @@ _LIBRARY_NOISE = (
 )
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     for message in _LIBRARY_NOISE:
         warnings.filterwarnings("ignore", message=f".*{message}")
     # Every other library warning goes to the run's log file (conf/hydra/job_logging).
@@ -48,7 +48,7 @@ def _quiet_libraries() -> None:
     version_base="1.3",
 )
 def run(cfg: DictConfig) -> None:
-    _quiet_libraries()
+    quiet_libraries()
     run_composed(
         OmegaConf.to_container(cfg, resolve=True), Path(HydraConfig.get().runtime.output_dir)
     )
@@ -76,13 +76,13 @@ def run_composed(raw: dict, run_dir: Path) -> None:
     except ConfigError as err:
         sys.exit(f"gspo-train: config error: {err}")
     except (DataError, VocabMismatchError, CheckpointError, ConversionError) as err:
-        _fail(err, run_dir, traceback=False)
+        fail(err, traceback=False)
     except Exception as err:  # noqa: BLE001 - one line here, the traceback in the run's log
-        _fail(err, run_dir)
+        fail(err)
     try:
         trainer.train()
     except Exception as err:  # noqa: BLE001 - one line here, the traceback in the run's log
-        _fail(err, run_dir)
+        fail(err)
     finally:
         trainer.close()
         from gspo_megatron.megatron import parallel
@@ -90,28 +90,34 @@ def run_composed(raw: dict, run_dir: Path) -> None:
         parallel.destroy()
 
 
-def _fail(err: BaseException, run_dir: Path, *, traceback: bool = True) -> None:
+def fail(err: BaseException, *, traceback: bool = True, program: str = "gspo-train") -> None:
     """Print one line (on each failing rank) and exit 1; the traceback goes to the log file."""
     rank = os.environ.get("RANK", "0")
     where = f"rank {rank}: " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
     log = logging.getLogger("gspo_megatron")
+    hint = ""
     if traceback:
         log.error("run failed", exc_info=err)
-        hint = f" (traceback in {run_dir / f'train.rank{rank}.log'})"
+        files = [h.baseFilename for h in logging.getLogger().handlers if hasattr(h, "baseFilename")]
+        hint = f" (traceback in {files[0]})" if files else ""
     else:
         log.error("run failed: %s", err)
-        hint = ""
-    print(f"gspo-train: {where}error: {err}{hint}", file=sys.stderr, flush=True)
+    print(f"{program}: {where}error: {err}{hint}", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
-def main() -> None:
+def start(program: str, app) -> None:
+    """A console script: the schema, keys of earlier versions refused by name, Hydra's `app`."""
     register_schema()
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as err:
-        sys.exit(f"gspo-train: config error: {err}")
-    run()
+        sys.exit(f"{program}: config error: {err}")
+    app()
+
+
+def main() -> None:
+    start("gspo-train", run)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.config import RunConfig
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
-from gspo_megatron.evaluation import benchmark_metrics
+from gspo_megatron.evaluation.benchmarks import Benchmark, run_benchmark
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.driver import RolloutDriver
 from gspo_megatron.rollout.engine import (
@@ -44,8 +44,9 @@ from gspo_megatron.rollout.engine import (
     RolloutUnavailableError,
     SamplingParams,
     WeightSource,
+    response_text,
 )
-from gspo_megatron.rollout.episodes import EpisodeRunner
+from gspo_megatron.rollout.episodes import EpisodeRunner, episode_rewards
 from gspo_megatron.rollout.pipeline import RolloutPipeline
 from gspo_megatron.run_files import note
 from gspo_megatron.run_health import RunHealth
@@ -82,7 +83,8 @@ class Trainer:
         collective; gspo_megatron.megatron.reward_model.RewardModel).
     rollout, weight_source: a RolloutEngine and what it syncs weights from, called through a
         RolloutDriver (rank 0 alone generates with server engines, and shares the samples).
-    scorer, tokenizer, train_data, eval_data: rewards, text, prompts.
+    scorer, tokenizer, train_data: rewards, text, prompts. benchmarks: what `evaluate` runs
+        (evaluation/benchmarks.py: build_benchmarks).
     ranks: this rank, rank 0's objects and votes (gspo_megatron.ranks).
     log: metrics sink (run_files.MetricsLogger: write, rewind, summary, close).
     checkpoints: checkpoint store (run_files.RunCheckpoints: save, resume).
@@ -98,7 +100,7 @@ class Trainer:
         scorer,
         tokenizer,
         train_data,
-        eval_data,
+        benchmarks: Sequence[Benchmark],
         ranks: Ranks,
         log,
         checkpoints,
@@ -114,7 +116,7 @@ class Trainer:
         self.rollouts = RolloutDriver(rollout, ranks, weight_source)
         self.scorer = scorer
         self.tokenizer = tokenizer
-        self.eval_data = eval_data
+        self.benchmarks = list(benchmarks)
         self.weight_source = weight_source
         self.reference = reference
         self.critic = critic
@@ -213,7 +215,7 @@ class Trainer:
             timings["step"] = time.perf_counter() - started
             timings["step_cpu"] = time.process_time() - cpu_started
             last = self.step_metrics(batch, train_metrics, timings)
-            every = self.cfg.trainer.eval_every
+            every = self.cfg.eval.every
             if (every and self.step % every == 0) or self.step == self.cfg.trainer.steps:
                 try:
                     last.update(self.evaluate())
@@ -372,7 +374,7 @@ class Trainer:
         stats = dict(payload[1])
         batch.failed_rewards = int(stats["reward/failures"] + stats["reward/timeouts"])
         if self.episodes is not None:
-            rewards, failed = _episode_rewards(rewards, flat)
+            rewards, failed = episode_rewards(rewards, flat)
             batch.failed_rewards += failed
         if with_model and self.reward_model is not None:
             rewards = self._with_model_scores(rewards, flat, stats)
@@ -414,15 +416,7 @@ class Trainer:
         return r.rule_weight * rule + r.model_weight * model
 
     def response_text(self, sample: RolloutSample) -> str:
-        """What the reward sees: every generated token but the final stop token, so special
-        tokens the policy emits count against it instead of vanishing from the text. Of an
-        episode: its last model turn (the final answer)."""
-        ids = sample.response_ids
-        if sample.episode is not None:
-            ids = ids[sample.episode.answer_start :]
-        if sample.finish_reason == "stop" and ids and ids[-1] in self.stop_token_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return response_text(sample, self.tokenizer, self.stop_token_ids)
 
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group advantages [groups, G]; with GAE zeros here, and each token's own advantage
@@ -639,30 +633,23 @@ class Trainer:
         self.rollouts.update_weights(self.step + 1)
 
     def evaluate(self) -> dict[str, float]:
-        """The mean reward, avg@k, pass@1 and pass@k (unbiased, evaluation/metrics.py) of
-        k = rollout.eval_samples responses per held-out prompt; solved = reward >= 1."""
-        if self.eval_data is None or len(self.eval_data) == 0:
-            return {}
-        r = self.cfg.rollout
-        prompts = list(self.eval_data.prompts[: r.eval_prompts])
-        params = SamplingParams(
-            temperature=r.eval_temperature,
-            top_p=1.0,
-            top_k=-1,
-            max_new_tokens=r.max_new_tokens,
-            stop_token_ids=self.stop_token_ids,
-            seed=_derive_seed(self.cfg.seed, -1, 0),
-        )
+        """Every benchmark of the eval section with the current weights
+        (evaluation/benchmarks.py): eval/<metric> of the held-out prompts, eval/<name>/<metric>
+        of a named benchmark; each problem's responses to eval/step_<N>/<name>.jsonl."""
         # Generated ahead of queued training batches, with the current weights.
         options = {} if self.pipeline is None else {"min_version": self.step, "urgent": True}
-        groups = self._rollout_groups(prompts, r.eval_samples, params, **options)
-        batch = RolloutBatch(prompts=prompts, groups=groups)
-        rewards = self.score(batch, with_model=False)
-        solved = (rewards >= 1.0).int().tolist()
-        metrics = benchmark_metrics(solved, sorted({1, r.eval_samples}))
-        return {"eval/reward_mean": float(rewards.mean())} | {
-            f"eval/{k}": v for k, v in metrics.items()
-        }
+
+        def generate(problems, n, params):
+            return self._rollout_groups(problems, n, params, **options)
+
+        out: dict[str, float] = {}
+        for bench in self.benchmarks:
+            result = run_benchmark(bench, generate, self.response_text, self.ranks)
+            prefix = "eval/" if bench.name == "heldout" else f"eval/{bench.name}/"
+            out.update({prefix + k: v for k, v in result.metrics.items()})
+            if self.cfg.eval.save_responses:
+                self.log.write_records(self.step, bench.name, result.records)
+        return out
 
     # -- metrics -----------------------------------------------------------------------------
 
@@ -752,6 +739,8 @@ class Trainer:
         self._replaced_handlers = {}
         self.log.close()
         self.scorer.close()
+        for bench in self.benchmarks:
+            bench.close()
         if self.episodes is not None:
             self.episodes.close()
         self.rollout.close()
@@ -790,19 +779,6 @@ def _mask_product(a: list[float] | None, b: list[int] | None) -> list[float] | N
     if a is None or b is None:
         return a if b is None else [float(x) for x in b]
     return [x * y for x, y in zip(a, b, strict=True)]
-
-
-def _episode_rewards(
-    rewards: torch.Tensor, flat: Sequence[RolloutSample]
-) -> tuple[torch.Tensor, int]:
-    """Each episode's reward: the reward section's score of its final answer plus the
-    environment's step rewards; 0 for an episode whose environment failed (counted with the
-    failed rewards) or that a failed tool call ended (env.on_tool_error=end)."""
-    failures = [s.episode.failure for s in flat]
-    zero = torch.tensor([f is not None for f in failures]).view_as(rewards)
-    extra = torch.tensor([s.episode.env_reward for s in flat], dtype=rewards.dtype)
-    total = torch.where(zero, 0.0, rewards + extra.view_as(rewards))
-    return total, sum(f in ("error", "timeout") for f in failures)
 
 
 def _merge_optimizer_steps(per_step: list[dict[str, float]]) -> dict[str, float]:

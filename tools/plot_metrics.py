@@ -25,7 +25,7 @@ FIGURES = {
     "kl": ["actor/approx_kl"],
     "response_length": ["response/length_mean"],
     "route_change": ["moe/route_change_fraction"],
-    "eval": ["eval/pass@1"],
+    "eval": [],  # every benchmark's avg@n and pass@k (eval/<metric>, eval/<name>/<metric>)
     "entropy": ["actor/entropy"],
     "episodes": ["env/tool_call_rate", "env/turns_mean", "env/solved_with_tools"],
     "critic": ["critic/loss", "critic/explained_variance"],
@@ -57,11 +57,18 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _is_benchmark_accuracy(key: str) -> bool:
+    return key.startswith("eval/") and key.rsplit("/", 1)[1].startswith(("avg@", "pass@"))
+
+
 def plot(runs: dict[str, list[dict]], out_dir: Path, window: int) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    logged = {k for records in runs.values() for r in records for k in r}
     for figure, keys in FIGURES.items():
-        present = [k for k in keys if any(k in r for records in runs.values() for r in records)]
+        if figure == "eval":
+            keys = sorted(k for k in logged if _is_benchmark_accuracy(k))
+        present = [k for k in keys if k in logged]
         if not present:
             continue
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.5), squeeze=False)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 def load_hf_weights(engine, hf_dir: str | Path) -> None:
     """Weights of an HF directory into a TrainingEngine on any layout (each rank reads only
-    its shards); the optimizer's master copies are refreshed."""
+    its shards); the optimizer's master copies are refreshed (a frozen engine's weights only)."""
     from gspo_megatron.checkpoint.loading import load_hf_weights as load
 
     with engine.own_layout():
         load(engine.unwrapped_chunks, engine.model_config, hf_dir)
-        engine.optimizer.reload_model_params()
+        _refresh_master_copies(engine)
 
 
 def load_engine_weights(engine, path: str | Path, *, head: str = "load") -> dict:
@@ -41,5 +41,11 @@ def load_engine_weights(engine, path: str | Path, *, head: str = "load") -> dict
             value_head=engine.value_head,
             head=head,
         )
-        engine.optimizer.reload_model_params()
+        _refresh_master_copies(engine)
     return meta
+
+
+def _refresh_master_copies(engine) -> None:
+    """The optimizer's fp32 copies from the loaded weights (a frozen engine has none)."""
+    if engine.optimizer is not None:
+        engine.optimizer.reload_model_params()

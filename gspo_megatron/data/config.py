@@ -14,6 +14,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# The keys that say how a prompt file is read (the rest are about which prompts to train on).
+READING_KEYS = (
+    "format",
+    "prompt_key",
+    "label_key",
+    "apply_chat_template",
+    "system_prompt",
+    "max_prompt_length",
+    "on_error",
+)
+
+
 @dataclass
 class DataConfig:
     """Prompt data: files, or a synthetic task.
@@ -52,9 +64,12 @@ class DataConfig:
     seed: int = bounded(0, ge=0)
     shuffle: bool = True
 
-    def validate(self) -> None:
+    def validate(self, *, for_training: bool = True) -> None:
+        """for_training: training prompts are needed (gspo-eval needs none)."""
         raise_on_problems(self, "data")
-        if bool(self.train_files) == (self.task is not None):
+        both = bool(self.train_files) and self.task is not None
+        neither = not self.train_files and self.task is None
+        if both or (for_training and neither):
             raise ValueError(
                 "set exactly one of data.train_files (JSONL/Parquet) and data.task (synthetic: "
                 f"{sorted(SYNTHETIC_TASKS)}); got train_files={list(self.train_files)} "
@@ -68,44 +83,51 @@ class DataConfig:
             raise ValueError("data.eval_files cannot be combined with data.task; use num_eval")
 
 
+def build_heldout_dataset(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase
+) -> PromptDataset | None:
+    """The held-out prompts (data.eval_files, or the synthetic task's held-out split), or None."""
+    if cfg.task is not None:
+        if not cfg.num_eval:
+            return None
+        return synthetic_prompt_dataset(
+            tokenizer, cfg.task, cfg.num_eval, split="eval", **_synthetic(cfg)
+        )
+    return load_files(cfg, cfg.eval_files, tokenizer) if cfg.eval_files else None
+
+
+def _synthetic(cfg: DataConfig) -> dict[str, Any]:
+    kwargs: Any = cfg.task_kwargs
+    if not isinstance(kwargs, dict):  # an OmegaConf DictConfig
+        from omegaconf import OmegaConf
+
+        kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    return dict(
+        seed=cfg.seed,
+        heldout_fraction=cfg.heldout_fraction,
+        max_prompt_length=cfg.max_prompt_length,
+        **kwargs,
+    )
+
+
+def load_files(
+    cfg: DataConfig, files: list[str], tokenizer: PreTrainedTokenizerBase
+) -> PromptDataset:
+    """Prompts from JSONL / Parquet files, read as `cfg` says (its READING_KEYS)."""
+    return load_prompt_dataset(
+        list(files), tokenizer, **{key: getattr(cfg, key) for key in READING_KEYS}
+    )
+
+
 def build_datasets(
     cfg: DataConfig, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[PromptDataset, PromptDataset | None]:
     """(train, eval) data sets for a data config; eval is None when none is configured."""
     cfg.validate()
     if cfg.task is not None:
-        kwargs: Any = cfg.task_kwargs
-        if not isinstance(kwargs, dict):  # an OmegaConf DictConfig
-            from omegaconf import OmegaConf
-
-            kwargs = OmegaConf.to_container(kwargs, resolve=True)
-        common = dict(
-            seed=cfg.seed,
-            heldout_fraction=cfg.heldout_fraction,
-            max_prompt_length=cfg.max_prompt_length,
-            **kwargs,
-        )
         train = synthetic_prompt_dataset(
-            tokenizer, cfg.task, cfg.num_train, split="train", **common
+            tokenizer, cfg.task, cfg.num_train, split="train", **_synthetic(cfg)
         )
-        evals = None
-        if cfg.num_eval:
-            evals = synthetic_prompt_dataset(
-                tokenizer, cfg.task, cfg.num_eval, split="eval", **common
-            )
-        return train, evals
-
-    def load(files: list[str]) -> PromptDataset:
-        return load_prompt_dataset(
-            list(files),
-            tokenizer,
-            prompt_key=cfg.prompt_key,
-            label_key=cfg.label_key,
-            apply_chat_template=cfg.apply_chat_template,
-            system_prompt=cfg.system_prompt,
-            max_prompt_length=cfg.max_prompt_length,
-            on_error=cfg.on_error,  # type: ignore[arg-type]
-            format=cfg.format,  # type: ignore[arg-type]
-        )
-
-    return load(cfg.train_files), load(cfg.eval_files) if cfg.eval_files else None
+    else:
+        train = load_files(cfg, cfg.train_files, tokenizer)
+    return train, build_heldout_dataset(cfg, tokenizer)

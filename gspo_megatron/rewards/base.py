@@ -5,6 +5,10 @@ A reward function is any callable `reward(prompt: str, response: str, label) -> 
 digit string, a dict...). Rewards are scored in batches by `RewardScorer`, which turns an
 exception, a bad return value or a timeout into reward 0 and counts it.
 
+A reward object may also have `answer(response) -> str | None`: the answer a response gives
+(None: it gives none), which evaluation's maj@k votes with (the math, exact-match and synthetic
+rewards have it; without it maj@k is not reported).
+
 A reward class may set the class attribute `inline_safe = True` to declare that a call finishes in
 bounded, short time without I/O (pure Python on short strings). The scorer then runs it in the
 calling thread with no timeout machinery; everything else runs where a hang cannot stall the run.

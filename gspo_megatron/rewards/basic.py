@@ -26,6 +26,10 @@ class ExactMatchReward:
             text = text.strip()
         return text if self.case_sensitive else text.casefold()
 
+    def answer(self, response: str) -> str:
+        """The response as compared (maj@k's vote)."""
+        return self._norm(response)
+
     def __call__(self, prompt: str, response: str, label: Any) -> float:
         accepted = label if isinstance(label, Sequence) and not isinstance(label, str) else [label]
         got = self._norm(response)

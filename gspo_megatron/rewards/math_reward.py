@@ -87,28 +87,42 @@ class MathVerifyReward:
             return _first_line_after(response, _DAPO_ANSWER)
         return response
 
-    def __call__(self, prompt: str, response: str, label: Any) -> float:
-        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    def _prediction(self, response: str, timeout: int | None) -> list | None:
+        """math-verify's parse of the response's answer, or None when it has none."""
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-        timeout = self.parsing_timeout_s
-        if threading.current_thread() is not threading.main_thread():
-            timeout = None  # SIGALRM cannot be used off the main thread
-        gold = parse(_normalize_gold(label), parsing_timeout=timeout)
-        if not gold:
-            raise ValueError(f"math-verify could not parse the gold answer {label!r:.80}")
         text = self.extract(response)
         if not text:
-            return 0.0
+            return None
         if self.answer_format == "boxed":
             configs = [LatexExtractionConfig(try_extract_without_anchor=False)]
             if "\\boxed" not in text and "\\fbox" not in text:
-                return 0.0
+                return None
         else:
             configs = [LatexExtractionConfig(), ExprExtractionConfig()]
         if self.answer_format in ("gsm8k", "dapo") and _THOUSANDS.match(text):
             text = text.replace(",", "")
-        pred = parse(text, extraction_config=configs, parsing_timeout=timeout)
-        if not pred:
+        return parse(text, extraction_config=configs, parsing_timeout=timeout) or None
+
+    def _timeout(self) -> int | None:
+        if threading.current_thread() is not threading.main_thread():
+            return None  # SIGALRM cannot be used off the main thread
+        return self.parsing_timeout_s
+
+    def answer(self, response: str) -> str | None:
+        """The response's answer as math-verify reads it (maj@k's vote), None when it has none."""
+        pred = self._prediction(response, self._timeout())
+        return None if pred is None else str(pred[0])
+
+    def __call__(self, prompt: str, response: str, label: Any) -> float:
+        from math_verify import parse, verify
+
+        timeout = self._timeout()
+        gold = parse(_normalize_gold(label), parsing_timeout=timeout)
+        if not gold:
+            raise ValueError(f"math-verify could not parse the gold answer {label!r:.80}")
+        pred = self._prediction(response, timeout)
+        if pred is None:
             return 0.0
         ok = verify(gold, pred, float_rounding=self.float_rounding, timeout_seconds=timeout)
         return 1.0 if ok else 0.0

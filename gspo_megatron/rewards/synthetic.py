@@ -187,6 +187,10 @@ class SyntheticReward:
     def __init__(self, partial: bool = True) -> None:
         self.partial = partial
 
+    def answer(self, response: str) -> str:
+        """The response itself: it is the answer (maj@k's vote)."""
+        return response
+
     def __call__(self, prompt: str, response: str, label: Any) -> float:
         target = str(label)
         if self.partial:

@@ -81,6 +81,18 @@ class RolloutSample:
         return [self.weight_version] * len(self.response_ids)
 
 
+def response_text(sample: RolloutSample, tokenizer, stop_token_ids: Sequence[int]) -> str:
+    """What a reward sees: every generated token but the final stop token, so special tokens
+    the policy emits count against it instead of vanishing from the text. Of an episode: its
+    last model turn (the final answer)."""
+    ids = sample.response_ids
+    if sample.episode is not None:
+        ids = ids[sample.episode.answer_start :]
+    if sample.finish_reason == "stop" and ids and ids[-1] in stop_token_ids:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 @dataclass
 class EpisodeRecord:
     """What happened in one multi-turn episode, for its reward and the `env/` metrics."""

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from gspo_megatron.envs.base import (
     EnvironmentContractError,
     StepResult,
@@ -306,3 +308,16 @@ def _turn_params(params: SamplingParams, turn: int) -> SamplingParams:
     if params.seed is None or turn == 0:
         return params
     return dataclasses.replace(params, seed=(params.seed * 1_000_003 + turn * 7919) % (2**31 - 1))
+
+
+def episode_rewards(
+    rewards: torch.Tensor, flat: Sequence[RolloutSample]
+) -> tuple[torch.Tensor, int]:
+    """Each episode's reward: the reward section's score of its final answer plus the
+    environment's step rewards; 0 for an episode whose environment failed (counted with the
+    failed rewards) or that a failed tool call ended (env.on_tool_error=end)."""
+    failures = [s.episode.failure for s in flat]
+    zero = torch.tensor([f is not None for f in failures]).view_as(rewards)
+    extra = torch.tensor([s.episode.env_reward for s in flat], dtype=rewards.dtype)
+    total = torch.where(zero, 0.0, rewards + extra.view_as(rewards))
+    return total, sum(f in ("error", "timeout") for f in failures)

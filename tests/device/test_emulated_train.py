@@ -18,7 +18,7 @@ SMALL = [
     "rollout.prompts_per_step=4",
     "rollout.group_size=4",
     "rollout.max_new_tokens=4",
-    "rollout.eval_prompts=4",
+    "eval.heldout.problems=4",
     "algorithm.num_minibatches=2",
     "data.num_train=64",
     "logging.progress=false",
@@ -26,9 +26,11 @@ SMALL = [
 ]
 
 
-def emulated_train(run_dir: Path, *overrides: str, nproc: int = 1) -> list[dict]:
-    """Run gspo-train under the emulation; return the proof lines of every rank."""
-    args = [str(RUNNER), f"hydra.run.dir={run_dir}", *SMALL, *overrides]
+def emulated_train(
+    run_dir: Path, *overrides: str, nproc: int = 1, program: str = "gspo-train"
+) -> list[dict]:
+    """Run gspo-train (or gspo-eval) under the emulation; the proof lines of every rank."""
+    args = [str(RUNNER), program, f"hydra.run.dir={run_dir}", *SMALL, *overrides]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                f"--master-port={free_port()}", *args]  # fmt: skip
@@ -38,7 +40,7 @@ def emulated_train(run_dir: Path, *overrides: str, nproc: int = 1) -> list[dict]
     path = f"{REPO}{os.pathsep}{REPO / 'tests'}"
     env = {"PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    log = "".join(p.read_text() for p in run_dir.glob("train.rank*.log"))
+    log = "".join(p.read_text() for p in run_dir.glob("*.rank*.log"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + log[-4000:]
     proofs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(proofs) == nproc, proc.stdout
@@ -51,7 +53,7 @@ def test_gspo_train_save_resume(tmp_path):
     """3 steps (KL reference, TIS weights, evaluation, a checkpoint at step 2 and at the end),
     then a resume from step 3 to 4 (checkpoint load, RNG state, reference rebuilt)."""
     common = ["algorithm.kl_coef=0.1", "algorithm.mismatch=tis",
-              "algorithm.mismatch_level=geometric", "trainer.eval_every=2"]  # fmt: skip
+              "algorithm.mismatch_level=geometric", "eval.every=2"]  # fmt: skip
     emulated_train(tmp_path, *common, "trainer.steps=3", "trainer.save_every=2")
     emulated_train(tmp_path, *common, "trainer.steps=4")
     records = read_metrics(tmp_path)
@@ -69,7 +71,7 @@ def test_gspo_train_ep2_from_hugging_face_routing_replay(tmp_path):
     run = tmp_path / "run"
     emulated_train(
         run, "parallel=ep2", f"model.init_from={init}", "algorithm.routing_replay=r3",
-        "rollout.mode=async", "trainer.steps=3", "trainer.eval_every=3", nproc=2,
+        "rollout.mode=async", "trainer.steps=3", "eval.every=3", nproc=2,
     )  # fmt: skip
     records = read_metrics(run)
     assert len(records) == 3 and records[-1]["async/staleness_max"] == 1
@@ -79,17 +81,27 @@ def test_gspo_train_ep2_from_hugging_face_routing_replay(tmp_path):
 def test_gspo_train_multi_turn_episodes_ep2(tmp_path):
     """Two ranks with expert parallelism running episodes: every rank generates each turn,
     rank 0 steps the environments and shares their answers, the observations' ids and the
-    masks reach the devices with the trajectories, R3 replays the last turn's routes."""
-    emulated_train(
-        tmp_path, "parallel=ep2", "env.name=envs.scripted_envs:TwoObservations",
-        "env.max_tokens=40", "model.tokenizer=char_tools", "model.vocab_size=80",
+    masks reach the devices with the trajectories, R3 replays the last turn's routes. Then
+    gspo-eval on the same layout evaluates the last checkpoint as the loop did."""
+    multi_turn = [
+        "parallel=ep2", "env.name=envs.scripted_envs:TwoObservations", "env.max_tokens=40",
+        "model.tokenizer=char_tools", "model.vocab_size=80",
         # a random policy ends a turn with <eos> in ~1 of 6 turns of 12 tokens
         "rollout.max_new_tokens=12", "rollout.group_size=8",
-        "algorithm.routing_replay=r3", "trainer.steps=2", "trainer.eval_every=2", nproc=2,
+    ]  # fmt: skip
+    emulated_train(
+        tmp_path, *multi_turn, "algorithm.routing_replay=r3", "trainer.steps=2", "eval.every=2",
+        nproc=2,
     )  # fmt: skip
     records = read_metrics(tmp_path)
     assert len(records) == 2 and all(r["env/turns_mean"] > 1 for r in records)
     assert all(r["env/model_token_fraction"] < 1 for r in records)
+    # gspo-eval on the two ranks, from the last checkpoint: the loop's evaluation at that step
+    out = tmp_path / "gspo_eval"
+    emulated_train(out, *multi_turn, f"model.init_from={tmp_path / 'checkpoints' / 'step_000002'}",
+                   nproc=2, program="gspo-eval")  # fmt: skip
+    in_loop = tmp_path / "eval" / "step_000002" / "heldout.jsonl"
+    assert (out / "heldout.jsonl").read_text() == in_loop.read_text()
 
 
 @pytest.mark.distributed
@@ -104,7 +116,7 @@ def test_gspo_train_ppo_with_a_reward_model_tp2_sp(tmp_path):
     common = ["parallel=tp2", "algorithm=ppo", "critic.parallel.tp=1",
               "critic.parallel.sequence_parallel=false", f"reward.model_path={rm}",
               "reward.model_weight=0.1", "trainer.offload_during_rollout=optimizer",
-              "trainer.eval_every=0"]  # fmt: skip
+              "eval.every=0"]  # fmt: skip
     emulated_train(run, *common, "critic.warmup_steps=1", "trainer.steps=2", nproc=2)
     emulated_train(run, *common, "critic.warmup_steps=1", "trainer.steps=3", nproc=2)
     records = read_metrics(run)

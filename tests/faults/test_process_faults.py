@@ -21,7 +21,7 @@ TWO_RANKS = [
     "rollout.prompts_per_step=2",
     "rollout.group_size=4",
     "rollout.max_new_tokens=4",
-    "trainer.eval_every=0",
+    "eval.every=0",
     "logging.progress=false",
     "logging.tensorboard=false",
 ]

@@ -23,7 +23,7 @@ GOLDEN_FILE = Path(__file__).with_name("gspo_tiny_moe_5_steps.json")
 OVERRIDES = [
     "seed=7",
     "trainer.steps=5",
-    "trainer.eval_every=0",
+    "eval.every=0",
     "logging.progress=false",
     "logging.tensorboard=false",
 ]

@@ -14,7 +14,7 @@ PATHS = [
     "model.init_from=/ckpt/q30b",
     "model.tokenizer=/ckpt/q30b-hf",
     "data.train_files=[/data/math_train.jsonl]",
-    "data.eval_files=[/data/aime24.jsonl]",
+    "eval.benchmarks.aime24.files=[/data/aime24.jsonl]",
 ]
 
 

@@ -27,7 +27,7 @@ TINY = [
     "rollout.max_new_tokens=6",
     "logging.progress=false",
     "logging.tensorboard=false",
-    "trainer.eval_every=0",
+    "eval.every=0",
 ]
 # The scripts ask for 64 CPUs and whole nodes; this node has 2 CPUs (one per rank).
 SMALL_NODE = ["--nodes=1", "--gpus-per-node=2", "--cpus-per-task=2", "--time=15"]

@@ -48,7 +48,7 @@ def test_warm_start_then_rl(tmp_path):
     assert len(nll) == 3 and nll[-1] < nll[0] / 2, nll
     gspo_train(
         tmp_path / "run", "+experiment=calculator_cpu", f"model.init_from={out}",
-        "trainer.steps=2", "trainer.eval_every=0", "rollout.prompts_per_step=4",
+        "trainer.steps=2", "eval.every=0", "rollout.prompts_per_step=4",
         "logging.progress=false", "logging.tensorboard=false",
     )  # fmt: skip
     records = read_metrics(tmp_path / "run")

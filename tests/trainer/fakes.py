@@ -43,7 +43,7 @@ SMALL = (
     "rollout.max_new_tokens=4",
     "algorithm.num_minibatches=2",
     "trainer.steps=2",
-    "trainer.eval_every=0",
+    "eval.every=0",
     "data.num_train=64",
     "data.num_eval=0",
     "logging.progress=false",
@@ -770,6 +770,19 @@ class FakeGeneratorProcess(FakeRollout):
 # -- run files ---------------------------------------------------------------------------------
 
 
+class StartsWithDigit:
+    """A benchmark reward for tests: 1 when the response starts with a digit, whose answer is
+    its first character (the fake policy's responses start with one about half the time)."""
+
+    inline_safe = True
+
+    def answer(self, response: str) -> str | None:
+        return response[:1] or None
+
+    def __call__(self, prompt: str, response: str, label) -> float:
+        return float(response[:1].isdigit())
+
+
 class MemoryLog:
     """MetricsLogger's interface, in memory."""
 
@@ -777,10 +790,14 @@ class MemoryLog:
         self.records: list[tuple[int, dict[str, float]]] = []
         self.rewinds: list[int] = []
         self.summaries: list[dict[str, float]] = []
+        self.eval_records: dict[tuple[int, str], list[dict]] = {}
         self.closed = False
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self.records.append((step, dict(metrics)))
+
+    def write_records(self, step: int, name: str, records: list[dict]) -> None:
+        self.eval_records[(step, name)] = list(records)
 
     def rewind(self, step: int) -> None:
         self.rewinds.append(step)
@@ -868,6 +885,7 @@ def build_fake_run(
 ) -> FakeRun:
     """The trainer gspo-train builds (components.build_trainer), with fake engines and stores."""
     from gspo_megatron.data.config import build_datasets
+    from gspo_megatron.evaluation.benchmarks import build_benchmarks
     from gspo_megatron.ranks import SingleRank
     from gspo_megatron.rewards.registry import build_scorer
     from gspo_megatron.trainer import Trainer
@@ -914,14 +932,17 @@ def build_fake_run(
         tokenizer=tokenizer,
         train_data=train_data,
     )
+    scorer = build_scorer(cfg.reward)
     run.trainer = Trainer(
         cfg,
         engine=policy,
         rollout=rollout,
-        scorer=build_scorer(cfg.reward),
+        scorer=scorer,
         tokenizer=tokenizer,
         train_data=train_data,
-        eval_data=eval_data,
+        benchmarks=build_benchmarks(
+            cfg, tokenizer, eval_data, scorer, vocab_size=model.vocab_size, seed=cfg.seed
+        ),
         ranks=SingleRank(),
         log=run.log,
         checkpoints=run.checkpoints,

@@ -24,18 +24,18 @@ from pathlib import Path
 
 from gspo_megatron.algorithms.losses import POLICY_LOSSES
 from gspo_megatron.config import compose
-from gspo_megatron.train import _quiet_libraries, run_composed
+from gspo_megatron.train import quiet_libraries, run_composed
 
 SMALL = [
     "trainer.steps=2",
-    "trainer.eval_every=0",
+    "eval.every=0",
     "rollout.prompts_per_step=2",
     "rollout.group_size=4",
     "rollout.max_new_tokens=4",
     "algorithm.num_minibatches=2",
     "data.num_train=64",
     "data.num_eval=8",
-    "rollout.eval_prompts=4",
+    "eval.heldout.problems=4",
     "logging.progress=false",
     "logging.tensorboard=false",
 ]
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     part, parts = (int(x) for x in args.part.split("/"))
-    _quiet_libraries()
+    quiet_libraries()
     # megatron's distributed optimizer runs gc.collect() on every save; objects alive now are
     # never garbage, so leave them out of those collections.
     gc.collect()

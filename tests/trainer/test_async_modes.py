@@ -134,7 +134,7 @@ def test_evaluation_goes_before_queued_batches_with_current_weights(composer, to
         "rollout.queue_batches=3",
         "rollout.max_staleness=3",
         "trainer.steps=2",
-        "trainer.eval_every=1",
+        "eval.every=1",
         "data.num_eval=4",
     )
     evals = [j for j in run.rollout.jobs if j["urgent"]]

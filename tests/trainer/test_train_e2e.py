@@ -32,7 +32,7 @@ SMALL = [
     "rollout.prompts_per_step=8",
     "rollout.group_size=4",
     "rollout.max_new_tokens=6",
-    "rollout.eval_prompts=16",
+    "eval.heldout.problems=16",
     "logging.progress=false",
     "logging.tensorboard=false",
 ]
@@ -73,7 +73,7 @@ def test_default_run_learns(tmp_path):
         "gspo_megatron.train",
         f"hydra.run.dir={tmp_path}",
         "trainer.steps=210",
-        "trainer.eval_every=125",
+        "eval.every=125",
         "logging.progress=false",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
@@ -113,10 +113,22 @@ def test_default_run_learns(tmp_path):
         "step_000200",
         "step_000210",
     ]
+    # gspo-eval on the last checkpoint: the greedy evaluation the loop made at that step
+    out = tmp_path / "gspo_eval"
+    cmd = [sys.executable, "-m", "gspo_megatron.evaluate", f"hydra.run.dir={out}",
+           f"model.init_from={tmp_path / 'checkpoints' / 'step_000210'}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    summary = json.loads((out / "summary.json").read_text())["benchmarks"]["heldout"]["metrics"]
+    in_loop = {k.removeprefix("eval/"): v for k, v in records[-1].items() if k.startswith("eval/")}
+    assert summary == pytest.approx(in_loop), (summary, in_loop)
+    assert 0 < summary["reward_mean"] < 1, summary  # no exact solve yet, but partial credit
+    step_210 = tmp_path / "eval" / "step_000210" / "heldout.jsonl"
+    assert (out / "heldout.jsonl").read_text() == step_210.read_text()
 
 
 def test_sigterm_checkpoints_and_exits_zero(tmp_path):
-    cmd = gspo_train_command(tmp_path, [*SMALL, "trainer.steps=500", "trainer.eval_every=0"])
+    cmd = gspo_train_command(tmp_path, [*SMALL, "trainer.steps=500", "eval.every=0"])
     proc = subprocess.Popen(
         cmd, env=gspo_train_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
@@ -148,11 +160,11 @@ def test_two_processes_match_one_given_the_same_rollouts(tmp_path):
     and throughput differ. The MoE load-balancing loss is computed per micro-batch (as in
     megatron), so it depends on how the batch is split over ranks: it is off by default."""
     start, one, two = tmp_path / "start", tmp_path / "one", tmp_path / "two"
-    train(start, "trainer.steps=1", "trainer.eval_every=0")
+    train(start, "trainer.steps=1", "eval.every=0")
     init = f"model.init_from={start / 'checkpoints' / 'step_000001'}"
     common = [
         "trainer.steps=3",
-        "trainer.eval_every=0",
+        "eval.every=0",
         "seed=11",
         init,
     ]
@@ -177,7 +189,7 @@ def test_config_errors_are_reported_before_building(tmp_path):
 
 
 def test_refuses_directory_of_another_run(tmp_path):
-    train(tmp_path, "trainer.steps=1", "trainer.eval_every=0")
+    train(tmp_path, "trainer.steps=1", "eval.every=0")
     proc = train(tmp_path, "trainer.steps=2", "algorithm=grpo", check=False)
     assert proc.returncode != 0
     assert "holds a run with a different config" in proc.stderr
@@ -186,9 +198,7 @@ def test_refuses_directory_of_another_run(tmp_path):
 
 def test_starts_from_a_hugging_face_checkpoint(tmp_path):
     init = hf_policy(tmp_path / "hf")
-    proc = train(
-        tmp_path / "run", f"model.init_from={init}", "trainer.steps=1", "trainer.eval_every=0"
-    )
+    proc = train(tmp_path / "run", f"model.init_from={init}", "trainer.steps=1", "eval.every=0")
     assert proc.returncode == 0
     assert len(metrics(tmp_path / "run")) == 1
     other = hf_policy(tmp_path / "hf_wide", hidden_size=32)
@@ -217,7 +227,7 @@ def test_starts_from_a_hugging_face_checkpoint(tmp_path):
     ids=["dupo-one-step-off", "grpo-r2-tis-kl-async"],
 )
 def test_algorithm_options_run(tmp_path, overrides):
-    train(tmp_path, "trainer.steps=2", "trainer.eval_every=0", *overrides)
+    train(tmp_path, "trainer.steps=2", "eval.every=0", *overrides)
     records = metrics(tmp_path)
     assert len(records) == 2
     for record in records:  # trained, or dynamic sampling found nothing to learn from
@@ -292,7 +302,7 @@ def test_sglang_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path)
         )  # fmt: skip
         launch.append(f"{{model_path:/nowhere,port:{free_port()},python:'{python}'}}")
     train(
-        tmp_path / "run", "trainer.steps=8", "trainer.eval_every=0", *SGLANG_FAULTS,
+        tmp_path / "run", "trainer.steps=8", "eval.every=0", *SGLANG_FAULTS,
         f"+rollout.sglang.launch=[{','.join(launch)}]",
         f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
         f"+rollout.sglang.log_dir={tmp_path / 'logs'}",
@@ -345,7 +355,7 @@ def test_sglang_fault_modes_through_gspo_train(tmp_path):
     steps = 6
     try:
         train(
-            tmp_path / "run", f"trainer.steps={steps}", "trainer.eval_every=0", *SGLANG_FAULTS,
+            tmp_path / "run", f"trainer.steps={steps}", "eval.every=0", *SGLANG_FAULTS,
             f"+rollout.sglang.urls=[{','.join(s.url for s in servers.values())}]",
             f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
             "+rollout.sglang.liveness_timeout_s=1", "rollout.sglang.samples_per_request=4",
@@ -380,7 +390,7 @@ def test_sglang_servers_down_past_the_deadline_checkpoint_and_stop(tmp_path):
     )
     run = tmp_path / "run"
     args = [
-        "trainer.steps=4", "trainer.eval_every=0", *SGLANG_FAULTS,
+        "trainer.steps=4", "eval.every=0", *SGLANG_FAULTS,
         "+rollout.sglang.recovery_timeout_s=3", "rollout.sglang.samples_per_request=32",
         f"+rollout.sglang.urls=[{server.url}]", f"+rollout.sglang.disk_dir={tmp_path / 'w'}",
     ]  # fmt: skip
@@ -409,18 +419,26 @@ def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
     from sglang_test_server import start_fake_server
 
     server = start_fake_server(routed_experts=False, vocab_size=48)
+    sglang = [
+        "rollout=sglang",
+        f"+rollout.sglang.urls=[{server.url}]",
+        "rollout.sglang.weight_sync=disk",
+        f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
+    ]
     try:
-        train(
-            tmp_path / "run",
-            "trainer.steps=2",
-            "trainer.eval_every=0",
-            "rollout=sglang",
-            f"+rollout.sglang.urls=[{server.url}]",
-            "rollout.sglang.weight_sync=disk",
-            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
-        )
+        train(tmp_path / "run", "trainer.steps=2", "eval.every=0", *sglang)
         log = server.log()
         weights = server.weights()
+        # gspo-eval on the last checkpoint sends the servers its weights, then generates
+        checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+        cmd = [sys.executable, "-m", "gspo_megatron.evaluate", *SMALL, *sglang,
+               f"hydra.run.dir={tmp_path / 'eval'}", f"model.init_from={checkpoint}"]  # fmt: skip
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env=gspo_train_env(), cwd=REPO
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        eval_paths = [entry["path"] for entry in server.log()[len(log) :]]
+        eval_weights = server.weights()
     finally:
         server.stop()
     paths = [entry["path"] for entry in log]
@@ -430,6 +448,10 @@ def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
     assert paths.index("/update_weights_from_disk") < paths.index("/generate")
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in weights
     assert len(metrics(tmp_path / "run")) == 2
+    assert eval_paths.index("/update_weights_from_disk") < eval_paths.index("/generate")
+    assert eval_weights == weights  # the checkpoint holds the weights of the last sync
+    problems = (tmp_path / "eval" / "heldout.jsonl").read_text().splitlines()
+    assert len(problems) == 16  # SMALL: eval.heldout.problems=16
 
 
 def test_sglang_async_rollouts_through_gspo_train(tmp_path):
@@ -442,7 +464,7 @@ def test_sglang_async_rollouts_through_gspo_train(tmp_path):
         routed_experts=False, vocab_size=48, extra_args=["--token-delay-s", "0.03"]
     )
     log = _train_on(
-        server, tmp_path, "trainer.steps=4", "trainer.eval_every=4", "rollout.mode=async",
+        server, tmp_path, "trainer.steps=4", "eval.every=4", "rollout.mode=async",
         "rollout.max_staleness=2", "rollout.partial_rollout_mask=true",
         "rollout.max_new_tokens=32",
     )  # fmt: skip
@@ -470,7 +492,7 @@ def test_async_killed_and_resumed_records_every_step_once(tmp_path):
         "rollout.max_new_tokens=12",
         "trainer.steps=5",
         "trainer.save_every=2",
-        "trainer.eval_every=5",
+        "eval.every=5",
     ]
     started = time.time()
     # num_minibatches=4 optimizer steps per RL step: the 10th is in step 3
@@ -503,7 +525,7 @@ def test_multi_turn_episodes_through_gspo_train(tmp_path):
     replay R3 (the last turn's routes cover the whole trajectory) and TIS: every step trains,
     observations are masked out (model-token fraction < 1), failures are counted."""
     train(
-        tmp_path / "run", *MULTI_TURN, "trainer.steps=3", "trainer.eval_every=3",
+        tmp_path / "run", *MULTI_TURN, "trainer.steps=3", "eval.every=3",
         "algorithm.routing_replay=r3", "algorithm.mismatch=tis",
         "algorithm.mismatch_level=sequence",
     )  # fmt: skip
@@ -521,7 +543,7 @@ def test_multi_turn_episodes_on_sglang(tmp_path):
     whole trajectory as input_ids; the observations' tokens are in the next request's input."""
     fake = _sglang_stand_in()
     server = fake.start_fake_server(routed_experts=False, vocab_size=80)
-    log = _train_on(server, tmp_path, *MULTI_TURN, "trainer.steps=2", "trainer.eval_every=0")
+    log = _train_on(server, tmp_path, *MULTI_TURN, "trainer.steps=2", "eval.every=0")
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["env/turns_mean"] > 1 for r in records)

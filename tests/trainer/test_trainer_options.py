@@ -6,6 +6,7 @@ gspo-train's config and checked against independent plain-Python references.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -17,7 +18,7 @@ from trainer.fakes import SMALL, FakeRun, MemoryCheckpoints, build_fake_run
 
 from gspo_megatron.algorithms.losses import POLICY_LOSSES
 from gspo_megatron.algorithms.mismatch import mismatch_support
-from gspo_megatron.config import ConfigError
+from gspo_megatron.config import ConfigError, resolve
 from gspo_megatron.rewards.synthetic import partial_credit
 
 _MEGATRON_ALREADY_IMPORTED = "megatron.core" in sys.modules
@@ -758,14 +759,14 @@ def test_evaluation(composer, tokenizer):
         composer,
         tokenizer,
         "data.num_eval=8",
-        "rollout.eval_prompts=6",
-        "rollout.eval_samples=2",
-        "trainer.eval_every=1",
+        "eval.heldout.problems=6",
+        "eval.heldout.samples=2",
+        "eval.every=1",
     )
     evals = [c for c in run.journal.calls("generate") if c.params.temperature == 0]
     assert [(len(c.prompts), c.n) for c in evals] == [(6, 2), (6, 2)]  # after steps 1 and 2
-    for call, (_, metrics) in zip(evals, run.log.records, strict=True):
-        labels = {tuple(p.prompt_ids): p.label for p in run.trainer.eval_data.prompts}
+    labels = {tuple(p.prompt_ids): p.label for p in run.trainer.benchmarks[0].problems}
+    for call, (step, metrics) in zip(evals, run.log.records, strict=True):
         rewards = [
             [partial_credit(_text(run, s), str(labels[tuple(s.prompt_ids)])) for s in g]
             for g in call.groups
@@ -774,6 +775,48 @@ def test_evaluation(composer, tokenizer):
         accuracy = np.mean([r >= 1.0 for g in rewards for r in g])
         assert metrics["eval/avg@2"] == metrics["eval/pass@1"] == pytest.approx(accuracy)
         assert metrics["eval/pass@2"] == np.mean([max(g) >= 1.0 for g in rewards])
+        records = run.log.eval_records[(step, "heldout")]
+        np.testing.assert_allclose([r["rewards"] for r in records], rewards, rtol=1e-6)
+
+
+def test_named_benchmark_in_the_loop(composer, tokenizer, tmp_path):
+    """A benchmark file read with its own keys and scored by its own reward, 3 samples at
+    temperature 1, logged as eval/<name>/..., against pass@k and maj@k counted here."""
+    path = tmp_path / "bench.jsonl"
+    rows = [{"question": f"copy:{d}=", "answer": d} for d in ("12", "345", "67", "890", "11")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw = composer.raw(*SMALL, "data.num_eval=0", "eval.every=2")
+    raw["eval"]["benchmarks"] = {  # as '+eval.benchmarks.digits={...}' gives it
+        "digits": {
+            "files": [str(path)],
+            "samples": 3,
+            "ks": [2, 3],
+            "temperature": 1.0,
+            "data": {"prompt_key": "question", "label_key": "answer"},
+            "reward": {"name": "trainer.fakes:StartsWithDigit"},
+        }
+    }
+    run = build_fake_run(*resolve(raw), tokenizer)
+    run.train()
+    [call] = [c for c in run.journal.calls("generate") if c.n == 3]
+    assert [p.label for p in run.trainer.benchmarks[0].problems] == [r["answer"] for r in rows]
+    texts = [[_text(run, s) for s in g] for g in call.groups]
+    solved = [[int(t[:1].isdigit()) for t in g] for g in texts]
+    assert 0 < np.mean(solved) < 1, texts  # a test that can tell
+    step, metrics = run.log.records[-1]
+    assert step == 2 and "eval/pass@1" not in metrics  # no held-out prompts
+    m = {k.removeprefix("eval/digits/"): v for k, v in metrics.items() if "digits" in k}
+    assert m["avg@3"] == pytest.approx(np.mean(solved)) and "pass@1" not in m  # ks: 2, 3
+    # pass@2 of one problem: 1 - C(n-c, 2) / C(3, 2)
+    assert m["pass@2"] == pytest.approx(np.mean([1 - math.comb(3 - sum(g), 2) / 3 for g in solved]))
+    assert m["pass@3"] == np.mean([max(g) for g in solved])
+    for k in (2, 3):
+        majority = [  # ties: the answer seen first
+            Counter(t[:1] for t in g[:k] if t).most_common(1)[0][0].isdigit() for g in texts
+        ]
+        assert m[f"maj@{k}"] == pytest.approx(np.mean(majority))
+    assert m["problems"] == 5 and m["reward_failures"] == 0
+    assert [r["responses"] for r in run.log.eval_records[(2, "digits")]] == texts
 
 
 def _text(run: FakeRun, sample) -> str:
