@@ -10,6 +10,7 @@ sections, in one place. Nothing here imports megatron.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -289,16 +290,23 @@ class RunConfig:
 
     def critic_layout(self, world_size: int) -> ParallelLayout:
         """The critic's parallel layout (critic.parallel over the policy's `parallel`)."""
-        try:
+        with _keys_of_the_critic():
             return self.critic.parallel.layout(self.parallel, world_size)
-        except ValueError as err:
-            raise ConfigError(str(err).replace("parallel.", "critic.parallel.")) from err
 
     def decay_steps_of(self, optimizer: OptimizerSettings) -> int | None:
         """Optimizer steps `optimizer`'s learning rate decays over (the critic's too)."""
         if optimizer.decay_style == "constant":
             return None
         return self.trainer.steps * self.algorithm.num_minibatches
+
+
+@contextlib.contextmanager
+def _keys_of_the_critic():
+    """A layout error of the critic's layout, naming critic.parallel.* keys."""
+    try:
+        yield
+    except ValueError as err:
+        raise ConfigError(str(err).replace("parallel.", "critic.parallel.")) from err
 
 
 _MODEL_EXTRA_KEYS = {"name", "init_from", "tokenizer"}
@@ -435,10 +443,8 @@ def resolve(
         _check_layout_fits(layout, model, cfg)
         if cfg.algorithm.advantage == "gae":
             critic_layout = cfg.critic_layout(world_size)
-            try:
+            with _keys_of_the_critic():
                 _check_layout_fits(critic_layout, model, cfg)
-            except ValueError as err:
-                raise ConfigError(str(err).replace("parallel.", "critic.parallel.")) from err
         cfg.data.validate(for_training=for_training)
         cfg.reward.validate()
         cfg.env.validate()

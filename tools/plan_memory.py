@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     world = args.nodes * args.gpus_per_node
     try:
-        run_cfg, model, layout = resolve(compose(args.overrides), world)
+        # A plan reads no input file: they need not exist on the machine that plans.
+        run_cfg, model, layout = resolve(compose(args.overrides), world, check_paths=False)
         settings = settings_from_config(
             run_cfg,
             model,

@@ -40,6 +40,16 @@ COMMON: tuple[str, ...] = (
 DEFAULT_STEPS = 600
 DEFAULT_SEEDS = (0, 1, 2, 3, 4)
 
+# A task learnt gradually (copy, above, is learnt in a sudden jump: final values are bimodal
+# over seeds): sort 3-6 digits, per-position partial credit. GSPO's held-out mean reward rises
+# steadily from ~0.12 to ~0.35 over 400 steps, with almost no exact solves.
+GRADUAL_TASK: tuple[str, ...] = (
+    "data.task=sort",
+    "data.task_kwargs.min_digits=3",
+    "data.task_kwargs.max_digits=6",
+    "rollout.max_new_tokens=8",
+)
+
 
 @dataclass(frozen=True)
 class Method:
@@ -76,11 +86,28 @@ class Figure:
 
 
 @dataclass(frozen=True)
+class Comparison:
+    """A claim about two methods, decided per metric by a permutation test over seeds
+    (report.py): `expect` is "A > B" (the claim holds when A is significantly above B) or
+    "equal" (a noise control: two methods that compute the same thing)."""
+
+    a: str
+    b: str
+    claim: str
+    expect: str = "A > B"
+
+
+@dataclass(frozen=True)
 class Experiment:
     claim: str
     methods: tuple[str, ...]
     figures: tuple[Figure, ...]
     extra: tuple[str, ...] = field(default_factory=tuple)  # overrides for this experiment only
+    # Runs with `extra` are not the shared ones: they live in <out>/<runs>/<method>/seed<k>.
+    runs: str = ""
+    comparisons: tuple[Comparison, ...] = ()
+    seeds: tuple[int, ...] = DEFAULT_SEEDS
+    steps: int = DEFAULT_STEPS
 
 
 REWARD = Figure("reward", "reward/mean", "training reward (partial credit)", smooth=10)
@@ -97,6 +124,7 @@ CLIP = Figure(
 ROUTES = Figure(
     "route_change", "moe/route_change_fraction", "tokens whose top-k experts changed", smooth=10
 )
+HELDOUT_REWARD = Figure("heldout_reward", "eval/reward_mean", "held-out mean reward (greedy)")
 EXPLAINED_VARIANCE = Figure(
     "explained_variance",
     "critic/explained_variance",
@@ -129,6 +157,23 @@ EXPERIMENTS: dict[str, Experiment] = {
         claim="PPO with a learned critic, the baseline GRPO and GSPO replaced",
         methods=("ppo", "grpo", "gspo"),
         figures=(REWARD, HELDOUT, EXPLAINED_VARIANCE),
+    ),
+    # The claims again, decided by tests over enough seeds, on a task learnt gradually.
+    "powered": Experiment(
+        claim="the paper's claims and the PPO baseline, each decided by a test over seeds",
+        methods=("gspo", "grpo", "grpo_rr", "gspo_token", "ppo"),
+        figures=(REWARD, HELDOUT_REWARD, CLIP, ROUTES),
+        extra=GRADUAL_TASK,
+        runs="powered",
+        comparisons=(
+            Comparison("gspo", "grpo", "(a) GSPO learns more per sample than GRPO"),
+            Comparison("gspo", "gspo_token", "noise control: GSPO = GSPO-token", "equal"),
+            Comparison("grpo_rr", "grpo", "(c) GRPO needs Routing Replay on MoE"),
+            Comparison("gspo", "grpo_rr", "(c) GSPO without replay vs GRPO with it"),
+            Comparison("ppo", "gspo", "PPO with a critic vs GSPO"),
+        ),
+        seeds=tuple(range(8)),
+        steps=400,
     ),
     # Every method and every figure: the full sweep behind the experiments above.
     "all": Experiment(

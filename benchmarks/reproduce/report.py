@@ -25,8 +25,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-from experiments import DEFAULT_SEEDS, DEFAULT_STEPS, EXPERIMENTS, METHODS  # noqa: E402
+from experiments import EXPERIMENTS, METHODS  # noqa: E402
 from plot_metrics import smooth  # noqa: E402
+from stats import compare  # noqa: E402
 
 LAST_STEPS = 30  # "final" training values: mean over the last 30 steps
 LAST_EVALS = 3  # "final" held-out values: mean over the last 3 evaluations
@@ -55,6 +56,7 @@ def run_summary(records: list[dict]) -> dict[str, float | None]:
     _, reward = series(records, "reward/mean")
     _, accuracy = series(records, "reward/accuracy")
     eval_steps, heldout = series(records, "eval/pass@1")
+    _, heldout_reward = series(records, "eval/reward_mean")
     reached = [s for s, v in zip(eval_steps, heldout, strict=True) if v >= HELDOUT_TARGET]
 
     def mean_of(key: str) -> float | None:
@@ -65,6 +67,10 @@ def run_summary(records: list[dict]) -> dict[str, float | None]:
     return {
         "reward_final": statistics.fmean(reward[-LAST_STEPS:]) if reward else None,
         "reward_mean_all_steps": statistics.fmean(reward) if reward else None,
+        "heldout_reward_final": statistics.fmean(heldout_reward[-LAST_EVALS:])
+        if heldout_reward
+        else None,
+        "heldout_reward_all_evals": statistics.fmean(heldout_reward) if heldout_reward else None,
         "accuracy_final": statistics.fmean(accuracy[-LAST_STEPS:]) if accuracy else None,
         "heldout_final": statistics.fmean(heldout[-LAST_EVALS:]) if heldout else None,
         "heldout_best": max(heldout) if heldout else None,
@@ -164,6 +170,7 @@ def _fmt(stat: dict, key: str) -> str:
 
 COLUMNS = [
     ("reward_final", f"train reward (last {LAST_STEPS})"),
+    ("heldout_reward_final", f"held-out reward (last {LAST_EVALS} evals)"),
     ("heldout_final", f"held-out pass@1 (last {LAST_EVALS} evals)"),
     ("reward_mean_all_steps", "train reward (mean, all steps)"),
     (f"steps_to_heldout_{HELDOUT_TARGET}", f"steps to held-out ≥ {HELDOUT_TARGET}"),
@@ -221,9 +228,62 @@ def write_report(
     ]
     if missing:
         lines += [f"Not finished yet: {', '.join(missing)}.", ""]
+    if experiment.comparisons:
+        decided = decide(experiment, table)
+        summary_json.write_text(
+            json.dumps({"steps": steps, "methods": table, "comparisons": decided}, indent=2)
+        )
+        lines += [comparisons_table(decided), ""]
     summary_md.write_text("\n".join(lines))
     written += [summary_md, summary_json]
     return written
+
+
+# What a comparison is decided on: the area under the training reward curve (its mean over
+# all steps), and the held-out mean reward of the last evaluations and over all of them.
+DECIDING = ("reward_mean_all_steps", "heldout_reward_final", "heldout_reward_all_evals")
+
+
+def decide(experiment, table: dict[str, dict]) -> list[dict]:
+    """Each comparison on each deciding quantity: the test and what it says about the claim."""
+    out = []
+    for c in experiment.comparisons:
+        if c.a not in table or c.b not in table:
+            continue
+        for key in DECIDING:
+            a = [v[key] for v in table[c.a]["per_seed"].values() if v[key] is not None]
+            b = [v[key] for v in table[c.b]["per_seed"].values() if v[key] is not None]
+            if len(a) < 2 or len(b) < 2:
+                continue
+            test = compare(a, b)
+            if c.expect == "equal":
+                verdict = (
+                    "consistent (no difference)" if test["verdict"] == "undecided" else ("differ")
+                )
+            else:
+                verdict = {"A > B": "holds", "A < B": "does not hold"}.get(
+                    test["verdict"], "undecided"
+                )
+            test["test"] = test.pop("verdict")
+            out.append({"claim": c.claim, "a": c.a, "b": c.b, "quantity": key, **test,
+                        "verdict": verdict})  # fmt: skip
+    return out
+
+
+def comparisons_table(decided: list[dict]) -> str:
+    rows = [
+        "| claim | quantity | A − B (95% CI) | p (permutation) | seeds (A, B) | verdict | "
+        "seeds per method for power 0.8 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for d in decided:
+        need = d["seeds_for_power_0.8"]
+        rows.append(
+            f"| {d['claim']} | {d['quantity']} | {d['difference']:+.3f} "
+            f"({d['ci_low']:+.3f}, {d['ci_high']:+.3f}) | {d['p']:.4f} | {d['n_a']}, {d['n_b']} "
+            f"| {d['verdict']} | {need if need > 0 else '–'} |"
+        )
+    return "\n".join(rows)
 
 
 def _mean_window(records: list[dict], key: str, first: int, last: int) -> float | None:
@@ -238,13 +298,16 @@ def _finite(value) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--seeds", type=int, nargs="+", help="default: the experiment's")
+    parser.add_argument("--steps", type=int, help="default: the experiment's")
     parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
     parser.add_argument("--figures", type=Path, default=None)
     args = parser.parse_args(argv)
-    figures = args.figures or args.out / "figures"
-    for path in write_report(args.experiment, args.out, args.seeds, args.steps, figures):
+    experiment = EXPERIMENTS[args.experiment]
+    out = args.out / experiment.runs
+    figures = args.figures or out / "figures"
+    seeds, steps = args.seeds or list(experiment.seeds), args.steps or experiment.steps
+    for path in write_report(args.experiment, out, seeds, steps, figures):
         print(path)
     return 0
 

@@ -5,9 +5,11 @@
     python benchmarks/reproduce/run.py routing_replay   # claim (c): GRPO +/- Routing Replay, GSPO
     python benchmarks/reproduce/run.py all --figures docs/figures   # the whole sweep
 
-Options: --seeds 0 1 2 3 4 (default), --steps 600 (default), --out outputs/reproduce (run
-directories <out>/<method>/seed<k>, shared by all experiments: a finished run is not trained
-again, an unfinished one resumes from its checkpoint), --figures DIR (default <out>/figures),
+Options: --seeds (default: the experiment's, 0 1 2 3 4 for most), --steps (default: the
+experiment's, 600 for most), --out outputs/reproduce (run directories <out>/<method>/seed<k>,
+shared by the experiments that run the common setup; an experiment with a setup of its own
+keeps its runs in <out>/<its name>/: a finished run is not trained again, an unfinished one
+resumes from its checkpoint), --figures DIR (default <out>/figures),
 --report-only (no training), --smoke (a couple of steps with a small batch, for CI). Extra
 arguments are Hydra overrides applied to every run (they are part of the run's identity: use a
 new --out when you change them).
@@ -31,14 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from experiments import (  # noqa: E402
-    COMMON,
-    DEFAULT_SEEDS,
-    DEFAULT_STEPS,
-    EXPERIMENTS,
-    METHODS,
-    SMOKE,
-)
+from experiments import COMMON, EXPERIMENTS, METHODS, SMOKE  # noqa: E402
 from report import run_complete, write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,8 +94,8 @@ def train_one(method: str, seed: int, steps: int, out: Path, extra: list[str]) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--seeds", type=int, nargs="+", help="default: the experiment's")
+    parser.add_argument("--steps", type=int, help="default: the experiment's")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "reproduce")
     parser.add_argument("--figures", type=Path, default=None, help="default: <out>/figures")
     parser.add_argument("--report-only", action="store_true")
@@ -111,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments {bad} (Hydra overrides look like key=value)")
     experiment = EXPERIMENTS[args.experiment]
+    args.seeds = args.seeds or list(experiment.seeds)
+    args.steps = args.steps or experiment.steps
     extra = [*experiment.extra, *(SMOKE if args.smoke else ()), *overrides]
-    out = args.out.resolve()
+    out = (args.out / experiment.runs).resolve()
     figures = (args.figures or out / "figures").resolve()
 
     def report() -> None:

@@ -45,7 +45,7 @@ def _fake_run(directory: Path, steps: int, reward: float, clip: float, route: fl
             "time/step": 0.1,
         }
         if step % 10 == 0:
-            record["eval/pass@1"] = reward * step / steps
+            record["eval/pass@1"] = record["eval/reward_mean"] = reward * step / steps
         lines.append(json.dumps(record))
     (directory / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -73,6 +73,34 @@ def test_report_mean_and_spread_over_seeds(tmp_path):
     # An unfinished run (fewer steps than asked) does not count as done.
     assert not report.run_complete(out / "gspo" / "seed0", 50)
     assert report.run_complete(out / "gspo" / "seed0", 40)
+
+
+def test_comparisons_are_decided_by_a_test_over_seeds(tmp_path):
+    """The powered experiment's verdicts: a claim holds when the permutation test over seeds
+    puts A above B, does not hold when it puts A below, and is undecided otherwise; the noise
+    control is consistent when its two methods do not differ."""
+    report = _module("report")
+    out = tmp_path / "powered"
+    levels = {"gspo": 0.8, "gspo_token": 0.8, "grpo": 0.5, "grpo_rr": 0.5, "ppo": 0.9}
+    for method, level in levels.items():
+        for seed in range(4):
+            # seeds spread by +-0.01 (+-0.2 for ppo: noise that hides its lead)
+            spread = (0.2 if method == "ppo" else 0.01) * (seed - 1.5)
+            _fake_run(out / method / f"seed{seed}", 20, level + spread, clip=0.1, route=0.01)
+    report.write_report("powered", out, [0, 1, 2, 3], 20, tmp_path / "figures")
+    decided = json.loads((out / "powered_summary.json").read_text())["comparisons"]
+    verdicts = {(d["a"], d["b"], d["quantity"]): d for d in decided}
+    auc = "reward_mean_all_steps"
+    gspo_grpo = verdicts[("gspo", "grpo", auc)]
+    assert gspo_grpo["verdict"] == "holds" and gspo_grpo["p"] == pytest.approx(2 / 70)
+    assert gspo_grpo["difference"] == pytest.approx(0.3 * statistics.fmean(range(1, 21)) / 20)
+    assert verdicts[("gspo", "gspo_token", auc)]["verdict"] == "consistent (no difference)"
+    assert verdicts[("grpo_rr", "grpo", auc)]["verdict"] == "undecided"
+    ppo = verdicts[("ppo", "gspo", auc)]
+    assert ppo["verdict"] == "undecided" and ppo["seeds_for_power_0.8"] > 4
+    assert verdicts[("gspo", "grpo_rr", "heldout_reward_final")]["verdict"] == "holds"
+    text = (out / "powered_summary.md").read_text()
+    assert "| (a) GSPO learns more per sample than GRPO | reward_mean_all_steps |" in text
 
 
 def test_experiments_use_equal_work_per_method():

@@ -12,6 +12,17 @@ plot_metrics = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot_metrics)
 
 
+EVAL = {
+    "eval/avg@1": 0.5,
+    "eval/pass@1": 0.5,
+    "eval/reward_mean": 0.7,
+    "eval/aime24/avg@4": 0.2,
+    "eval/aime24/pass@4": 0.4,
+    "eval/aime24/maj@4": 0.3,
+    "eval/aime24/problems": 30,
+}
+
+
 def write_run(path, scale):
     path.mkdir()
     with (path / "metrics.jsonl").open("w") as f:
@@ -26,6 +37,7 @@ def write_run(path, scale):
                         "moe/route_change_fraction": 0.05,
                         "env/tool_call_rate": step / 20,
                         "critic/explained_variance": 1 - 1 / step,
+                        **(EVAL if step % 10 == 0 else {}),
                     }
                 )
                 + "\n"
@@ -44,8 +56,12 @@ def test_overlays_runs_into_pngs(tmp_path):
     )
     names = sorted(p.name for p in out.iterdir())
     assert names == [
-        "clip_fraction.png", "critic.png", "episodes.png", "response_length.png", "reward.png",
-        "route_change.png",
+        "clip_fraction.png", "critic.png", "episodes.png", "eval.png", "response_length.png",
+        "reward.png", "route_change.png",
+    ]  # fmt: skip
+    # the evaluation figure: every benchmark's avg@n and pass@k
+    assert [k for k in EVAL if plot_metrics._is_benchmark_accuracy(k)] == [
+        "eval/avg@1", "eval/pass@1", "eval/aime24/avg@4", "eval/aime24/pass@4",
     ]  # fmt: skip
     assert all((out / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
 
