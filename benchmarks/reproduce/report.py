@@ -273,15 +273,15 @@ def decide(experiment, table: dict[str, dict]) -> list[dict]:
 def comparisons_table(decided: list[dict]) -> str:
     rows = [
         "| claim | quantity | A − B (95% CI) | p (permutation) | seeds (A, B) | verdict | "
-        "seeds per method for power 0.8 |",
-        "|---|---|---|---|---|---|---|",
+        "difference these seeds detect (power 0.8) | seeds per method to detect A − B |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for d in decided:
         need = d["seeds_for_power_0.8"]
         rows.append(
             f"| {d['claim']} | {d['quantity']} | {d['difference']:+.3f} "
             f"({d['ci_low']:+.3f}, {d['ci_high']:+.3f}) | {d['p']:.4f} | {d['n_a']}, {d['n_b']} "
-            f"| {d['verdict']} | {need if need > 0 else '–'} |"
+            f"| {d['verdict']} | {d['detectable_at_power_0.8']:.3f} | {need if need > 0 else '–'} |"
         )
     return "\n".join(rows)
 

@@ -9,6 +9,9 @@
 - `seeds_needed`: seeds per method for a two-sided test at level alpha to detect a difference
   `delta` with the given power, from the per-method standard deviations (normal approximation:
   n = (z_{1-alpha/2} + z_power)^2 (sd_a^2 + sd_b^2) / delta^2).
+- `detectable_difference`: the difference that the seeds at hand detect with that power,
+  (z_{1-alpha/2} + z_power) sqrt(sd_a^2 / n_a + sd_b^2 / n_b): an undecided comparison says
+  the methods differ by less than about this much.
 """
 
 from __future__ import annotations
@@ -73,13 +76,23 @@ def bootstrap_ci(
     return low, high
 
 
+def _z(alpha: float, power: float) -> float:
+    normal = statistics.NormalDist()
+    return normal.inv_cdf(1 - alpha / 2) + normal.inv_cdf(power)
+
+
+def detectable_difference(
+    sd_a: float, n_a: int, sd_b: float, n_b: int, *, alpha: float = 0.05, power: float = 0.8
+) -> float:
+    return _z(alpha, power) * math.sqrt(sd_a**2 / n_a + sd_b**2 / n_b)
+
+
 def seeds_needed(
     sd_a: float, sd_b: float, delta: float, *, alpha: float = 0.05, power: float = 0.8
 ) -> int:
     if delta <= 0:
         raise ValueError(f"delta must be > 0, got {delta}")
-    normal = statistics.NormalDist()
-    z = normal.inv_cdf(1 - alpha / 2) + normal.inv_cdf(power)
+    z = _z(alpha, power)
     return max(2, math.ceil(z * z * (sd_a**2 + sd_b**2) / delta**2))
 
 
@@ -91,8 +104,9 @@ def compare(
     delta: float | None = None,
 ) -> dict[str, float | int | str]:
     """Method A against method B: the difference of means, its 95% bootstrap interval, the
-    permutation p-value, a verdict (A > B, A < B, or undecided at level alpha) and the seeds
-    per method that would detect `delta` (default: the observed difference) with power 0.8."""
+    permutation p-value, a verdict (A > B, A < B, or undecided at level alpha), the difference
+    these seeds detect with power 0.8, and the seeds per method that would detect `delta`
+    (default: the observed difference) with power 0.8."""
     difference = mean_difference(a, b)
     p = permutation_p(a, b)
     low, high = bootstrap_ci(a, b)
@@ -110,5 +124,6 @@ def compare(
         "n_a": len(a),
         "n_b": len(b),
         "verdict": verdict,
+        "detectable_at_power_0.8": detectable_difference(sd_a, len(a), sd_b, len(b), alpha=alpha),
         "seeds_for_power_0.8": seeds_needed(sd_a, sd_b, effect, alpha=alpha) if effect else -1,
     }

@@ -180,3 +180,15 @@ def test_an_episode_scores_its_answer_plus_the_environments_rewards(tmp_path, to
     result = run_benchmark(bench, episodes, _text(tokenizer), SingleRank())
     assert [r["rewards"] for r in result.records] == [[1.5, 0.5], [1.5, 0.0]]
     assert result.metrics["reward_failures"] == 1
+
+
+def test_partial_credit_is_not_a_solve(tmp_path, tokenizer):
+    """The synthetic reward's partial credit counts in reward_mean, only a full score solves."""
+    rows = [{"prompt": "copy:12=", "label": "12"}, {"prompt": "copy:34=", "label": "34"}]
+    [bench] = _benchmarks(tmp_path, tokenizer, rows, samples=2, reward={"name": "synthetic"})
+    texts = [["12", "13"], ["35", "44"]]
+    result = run_benchmark(bench, Scripted(tokenizer, texts), _text(tokenizer), SingleRank())
+    assert [r["rewards"] for r in result.records] == [[1.0, 0.5], [0.5, 0.5]]
+    assert [r["solved"] for r in result.records] == [[1, 0], [0, 0]]
+    assert result.metrics["avg@2"] == 0.25 and result.metrics["reward_mean"] == 0.625
+    assert result.metrics["pass@2"] == 0.5

@@ -49,6 +49,8 @@ def test_bootstrap_interval_and_seed_count():
     # (1.959964 + 0.841621)^2 * (1 + 1) / 1 = 15.7
     assert stats.seeds_needed(1.0, 1.0, 1.0) == 16
     assert stats.seeds_needed(0.1, 0.1, 0.05) == 63
+    # what 16 seeds each detect is the difference 16 seeds were sized for
+    assert stats.detectable_difference(1.0, 16, 1.0, 16) == pytest.approx(0.99, abs=0.01)
     with pytest.raises(ValueError, match="delta"):
         stats.seeds_needed(1.0, 1.0, 0.0)
 
