@@ -87,9 +87,11 @@ class Figure:
 
 @dataclass(frozen=True)
 class Comparison:
-    """A claim about two methods, decided per metric by a permutation test over seeds
-    (report.py): `expect` is "A > B" (the claim holds when A is significantly above B) or
-    "equal" (a noise control: two methods that compute the same thing)."""
+    """A claim about two methods, decided per metric by a permutation test over seeds and, with
+    the experiment's margin, an equivalence test (report.py): `expect` is "A > B" (the claim
+    holds when A is significantly above B), "A >= B" (A is not worse: above, or equivalent) or
+    "equal" (a noise control: two methods that compute the same thing, which holds when they
+    are equivalent within the margin)."""
 
     a: str
     b: str
@@ -108,6 +110,9 @@ class Experiment:
     comparisons: tuple[Comparison, ...] = ()
     seeds: tuple[int, ...] = DEFAULT_SEEDS
     steps: int = DEFAULT_STEPS
+    # Differences smaller than this (in reward) count as none: two methods whose 90% interval
+    # of the difference lies inside +-margin are equivalent (report.py). None: no such verdict.
+    margin: float | None = None
 
 
 REWARD = Figure("reward", "reward/mean", "training reward (partial credit)", smooth=10)
@@ -169,11 +174,12 @@ EXPERIMENTS: dict[str, Experiment] = {
             Comparison("gspo", "grpo", "(a) GSPO learns more per sample than GRPO"),
             Comparison("gspo", "gspo_token", "noise control: GSPO = GSPO-token", "equal"),
             Comparison("grpo_rr", "grpo", "(c) GRPO needs Routing Replay on MoE"),
-            Comparison("gspo", "grpo_rr", "(c) GSPO without replay vs GRPO with it"),
+            Comparison("gspo", "grpo_rr", "(c) GSPO without replay ≥ GRPO with it", "A >= B"),
             Comparison("ppo", "gspo", "PPO with a critic vs GSPO"),
         ),
         seeds=tuple(range(8)),
         steps=400,
+        margin=0.05,  # 5 points of per-position accuracy
     ),
     # Every method and every figure: the full sweep behind the experiments above.
     "all": Experiment(

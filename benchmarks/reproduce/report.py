@@ -244,6 +244,28 @@ def write_report(
 DECIDING = ("reward_mean_all_steps", "heldout_reward_final", "heldout_reward_all_evals")
 
 
+# What a verdict on a test means for a claim "A > B", "A = B" and "A >= B" (A is not worse).
+_FOR_GREATER = {
+    "A > B": "holds",
+    "A < B": "does not hold (A < B)",
+    "equivalent": "does not hold (equal within the margin)",
+    "undecided": "undecided",
+}
+_FOR_EQUAL = {
+    "equivalent": "holds (equal within the margin)",
+    "A > B": "does not hold (they differ)",
+    "A < B": "does not hold (they differ)",
+    "undecided": "undecided",
+}
+_FOR_NOT_WORSE = {
+    "A > B": "holds (A > B)",
+    "equivalent": "holds (equal within the margin)",
+    "A < B": "does not hold (A < B)",
+    "undecided": "undecided",
+}
+_MEANINGS = {"A > B": _FOR_GREATER, "equal": _FOR_EQUAL, "A >= B": _FOR_NOT_WORSE}
+
+
 def decide(experiment, table: dict[str, dict]) -> list[dict]:
     """Each comparison on each deciding quantity: the test and what it says about the claim."""
     out = []
@@ -255,18 +277,11 @@ def decide(experiment, table: dict[str, dict]) -> list[dict]:
             b = [v[key] for v in table[c.b]["per_seed"].values() if v[key] is not None]
             if len(a) < 2 or len(b) < 2:
                 continue
-            test = compare(a, b)
-            if c.expect == "equal":
-                verdict = (
-                    "consistent (no difference)" if test["verdict"] == "undecided" else ("differ")
-                )
-            else:
-                verdict = {"A > B": "holds", "A < B": "does not hold"}.get(
-                    test["verdict"], "undecided"
-                )
+            test = compare(a, b, margin=experiment.margin)
+            meaning = _MEANINGS[c.expect]
             test["test"] = test.pop("verdict")
             out.append({"claim": c.claim, "a": c.a, "b": c.b, "quantity": key, **test,
-                        "verdict": verdict})  # fmt: skip
+                        "verdict": meaning[test["test"]]})  # fmt: skip
     return out
 
 

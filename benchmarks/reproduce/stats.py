@@ -9,6 +9,7 @@
 - `seeds_needed`: seeds per method for a two-sided test at level alpha to detect a difference
   `delta` with the given power, from the per-method standard deviations (normal approximation:
   n = (z_{1-alpha/2} + z_power)^2 (sd_a^2 + sd_b^2) / delta^2).
+- `compare`: all of it for two methods, and a verdict; with a margin, equivalence too.
 - `detectable_difference`: the difference that the seeds at hand detect with that power,
   (z_{1-alpha/2} + z_power) sqrt(sd_a^2 / n_a + sd_b^2 / n_b): an undecided comparison says
   the methods differ by less than about this much.
@@ -102,11 +103,14 @@ def compare(
     *,
     alpha: float = 0.05,
     delta: float | None = None,
+    margin: float | None = None,
 ) -> dict[str, float | int | str]:
     """Method A against method B: the difference of means, its 95% bootstrap interval, the
-    permutation p-value, a verdict (A > B, A < B, or undecided at level alpha), the difference
-    these seeds detect with power 0.8, and the seeds per method that would detect `delta`
-    (default: the observed difference) with power 0.8."""
+    permutation p-value, the difference these seeds detect with power 0.8, the seeds per method
+    that would detect `delta` (default: the observed difference) with power 0.8, and a verdict
+    at level alpha: "A > B" or "A < B" (the test rejects no difference), "equivalent" (with a
+    `margin`: the 1 - 2 alpha bootstrap interval lies inside (-margin, +margin), the two
+    one-sided tests' equivalence), else "undecided"."""
     difference = mean_difference(a, b)
     p = permutation_p(a, b)
     low, high = bootstrap_ci(a, b)
@@ -116,14 +120,19 @@ def compare(
     verdict = "undecided"
     if p < alpha:
         verdict = "A > B" if difference > 0 else "A < B"
-    return {
+    out: dict[str, float | int | str] = {
         "difference": difference,
         "ci_low": low,
         "ci_high": high,
         "p": p,
         "n_a": len(a),
         "n_b": len(b),
-        "verdict": verdict,
         "detectable_at_power_0.8": detectable_difference(sd_a, len(a), sd_b, len(b), alpha=alpha),
         "seeds_for_power_0.8": seeds_needed(sd_a, sd_b, effect, alpha=alpha) if effect else -1,
     }
+    if margin is not None:
+        tost_low, tost_high = bootstrap_ci(a, b, level=1 - 2 * alpha)
+        out |= {"margin": margin, "tost_ci_low": tost_low, "tost_ci_high": tost_high}
+        if verdict == "undecided" and -margin < tost_low and tost_high < margin:
+            verdict = "equivalent"
+    return out | {"verdict": verdict}

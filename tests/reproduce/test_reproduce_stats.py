@@ -60,4 +60,9 @@ def test_compare_says_which_is_larger_only_when_significant():
     assert higher["verdict"] == "A > B" and higher["p"] == pytest.approx(2 / 252)
     same = stats.compare([0.5, 0.7, 0.6], [0.6, 0.5, 0.7])
     assert same["verdict"] == "undecided" and same["p"] == 1.0
+    # equal within a margin: the 90% interval of the difference inside (-margin, +margin)
+    close = [0.50, 0.51, 0.52, 0.50, 0.51], [0.51, 0.50, 0.52, 0.51, 0.50]
+    assert stats.compare(*close, margin=0.05)["verdict"] == "equivalent"
+    assert stats.compare(*close, margin=0.001)["verdict"] == "undecided"
+    assert stats.compare(*close)["verdict"] == "undecided"  # no margin, no equivalence
     assert same["seeds_for_power_0.8"] == -1  # no observed difference to size a sweep for
