@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,7 @@ def build_benchmarks(
 
     stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     out = []
-    for index, (name, bench) in enumerate(cfg.eval.named().items()):
+    for name, bench in cfg.eval.named().items():
         key = "eval.heldout" if name == "heldout" else f"eval.benchmarks.{name}"
         if name == "heldout":
             if heldout is None or len(heldout) == 0:
@@ -108,7 +109,7 @@ def build_benchmarks(
             top_k=-1,
             max_new_tokens=max_new_tokens,
             stop_token_ids=stop,
-            seed=_benchmark_seed(seed, index),
+            seed=_benchmark_seed(seed, name),
         )
         out.append(
             Benchmark(
@@ -118,9 +119,11 @@ def build_benchmarks(
     return out
 
 
-def _benchmark_seed(seed: int, index: int) -> int:
-    # The held-out benchmark (index 0) keeps the seed the in-loop evaluation always had.
-    return (seed * 1_000_003 + index * 104_729) % (2**31 - 1)
+def _benchmark_seed(seed: int, name: str) -> int:
+    """A benchmark's sampling seed: the run's and its name's (adding another benchmark changes
+    no other's samples); the held-out one keeps the seed the in-loop evaluation always had."""
+    salt = 0 if name == "heldout" else zlib.crc32(name.encode())
+    return (seed * 1_000_003 + salt * 104_729) % (2**31 - 1)
 
 
 def _load(cfg: RunConfig, bench: BenchmarkConfig, key: str, tokenizer) -> PromptDataset:

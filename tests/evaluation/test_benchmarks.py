@@ -192,3 +192,17 @@ def test_partial_credit_is_not_a_solve(tmp_path, tokenizer):
     assert [r["solved"] for r in result.records] == [[1, 0], [0, 0]]
     assert result.metrics["avg@2"] == 0.25 and result.metrics["reward_mean"] == 0.625
     assert result.metrics["pass@2"] == 0.5
+
+
+def test_a_benchmarks_sampling_seed_does_not_depend_on_the_others(tmp_path, tokenizer):
+    path = _bench_file(tmp_path / "b.jsonl", [{"prompt": "copy:12=", "label": "12"}])
+    seeds = []
+    for names in (["b"], ["a", "b"]):
+        raw = compose(["eval.heldout.problems=0", "seed=3"])
+        raw["eval"]["benchmarks"] = {n: {"files": [path], "temperature": 1.0} for n in names}
+        cfg, model, _ = resolve(raw)
+        built = build_benchmarks(
+            cfg, tokenizer, None, build_scorer(cfg.reward), vocab_size=model.vocab_size, seed=3
+        )
+        seeds.append({b.name: b.params.seed for b in built})
+    assert seeds[0]["b"] == seeds[1]["b"] != seeds[1]["a"]
