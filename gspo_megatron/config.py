@@ -581,6 +581,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"algorithm.mismatch_upper={alg.mismatch_upper:g}"
         )
     _check_mismatch(alg)
+    _check_room_for_the_end_token(cfg)
     _check_critic(cfg)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
@@ -591,6 +592,27 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         raise ConfigError(
             "algorithm.overlong_penalty_cache must be in (0, algorithm.overlong_penalty_length]"
         )
+
+
+def _check_room_for_the_end_token(cfg: RunConfig) -> None:
+    """The synthetic reward gives full credit only to the answer followed by the end token:
+    a response that never stops must be longer than every target, so it cannot score 1."""
+    if cfg.data.task is None or cfg.reward.name != "synthetic":
+        return
+    from gspo_megatron.data.config import synthetic_task
+
+    longest = synthetic_task(cfg.data).max_target_chars()
+    limits = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
+    if cfg.eval.heldout.max_new_tokens is not None:
+        limits["eval.heldout.max_new_tokens"] = cfg.eval.heldout.max_new_tokens
+    for key, limit in limits.items():
+        if limit <= longest:
+            raise ConfigError(
+                f"{key}={limit} leaves no room for the end token after data.task="
+                f"{cfg.data.task}'s longest answer ({longest} characters): the synthetic reward "
+                f"gives full credit only to the answer followed by the end token; set {key} >= "
+                f"{longest + 1}"
+            )
 
 
 def _check_rollout_mode(cfg: RunConfig) -> None:

@@ -15,9 +15,12 @@ The reward gives partial credit per position:
 
     partial_credit(r, t) = #{i : r[i] == t[i]} / max(len(r), len(t))
 
-after stripping surrounding whitespace from the response. It lies in [0, 1] and equals 1 only
-for an exact solve, so accuracy (reward >= 1) counts exact solves. A response that is too long
-or too short loses credit for every missing or extra position.
+over the response as generated: every token before the end token, whitespace included (a space
+is a token the policy chose). It lies in [0, 1] and equals 1 only for an exact solve, so accuracy
+(reward >= 1) counts exact solves. A response that is too long or too short loses credit for
+every missing or extra position. A response that never stops runs to `rollout.max_new_tokens`
+tokens, which the configuration keeps longer than any target (`room_for_the_end_token`): full
+credit therefore needs the answer followed by the end token, and the policy learns to stop.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ DIGITS = "0123456789"
 
 def partial_credit(response: str, target: str) -> float:
     """Fraction of positions where response and target agree, over the longer length."""
-    response = response.strip()
     longest = max(len(response), len(target))
     if longest == 0:
         return 1.0
@@ -41,7 +43,7 @@ def partial_credit(response: str, target: str) -> float:
 
 
 def exact_solve(response: str, target: str) -> bool:
-    return response.strip() == target
+    return response == target
 
 
 def _digit_string(rng: random.Random, min_digits: int, max_digits: int) -> str:

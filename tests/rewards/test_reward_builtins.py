@@ -30,7 +30,8 @@ from gspo_megatron.rewards import (
     ("response", "target", "expected"),
     [
         ("4321", "4321", 1.0),  # exact
-        (" 4321\n", "4321", 1.0),  # surrounding whitespace ignored
+        ("4321 ", "4321", 4 / 5),  # a space instead of the end token: a generated token
+        (" 4321", "4321", 0.0),  # whitespace is scored like any token: shifted by one
         ("4320", "4321", 3 / 4),  # one wrong position
         ("43", "4321", 2 / 4),  # too short: missing positions score 0
         ("432100", "4321", 4 / 6),  # too long: extra positions count against

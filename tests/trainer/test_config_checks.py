@@ -43,10 +43,17 @@ def resolved(*overrides: str):
         (["env=calculator", "rollout.mode=one_step_off"],
          "env.name=calculator with rollout.mode=one_step_off"),
         (["env.name=nope"], "unknown env.name='nope'"),
+        (["rollout.max_new_tokens=3"],
+         "rollout.max_new_tokens=3 leaves no room for the end token after data.task=copy's "
+         "longest answer (3 characters)"),
+        (["data.task=add", "rollout.max_new_tokens=8", "eval.heldout.max_new_tokens=4"],
+         "eval.heldout.max_new_tokens=4 leaves no room for the end token after data.task=add's "
+         "longest answer (4 characters)"),
     ],
     ids=["coef-without-type", "type-without-coef", "dense", "sinkhorn", "moved-key",
          "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget",
-         "env-async", "env-one-step-off", "env-unknown"],
+         "env-async", "env-one-step-off", "env-unknown", "no-room-for-the-end-token",
+         "no-room-for-the-end-token-in-evaluation"],
 )  # fmt: skip
 def test_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
