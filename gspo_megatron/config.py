@@ -186,7 +186,8 @@ class RolloutSection:
 
     engine: embedded (in-process, default) | sglang. prompts_per_step × group_size responses
     per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens (evaluation's
-    sampling is the `eval` section's). sglang: keyword arguments of
+    sampling is the `eval` section's; the default 5 fits the default task: a 3-digit answer,
+    the end token, and one token more, so that running past the answer costs credit). sglang: keyword arguments of
     gspo_megatron.rollout.sglang.SGLangEngineConfig.
     mode: sync (generate, then train) | one_step_off (batch k+1 generates while batch k trains,
     with the weights from before step k) | async (queue_batches batches generate ahead, taking
@@ -210,7 +211,7 @@ class RolloutSection:
     temperature: float = bounded(1.0, ge=0)
     top_p: float = bounded(1.0, gt=0, le=1)
     top_k: int = bounded(-1, ge=1, special=(-1,))
-    max_new_tokens: int = bounded(4, ge=1)
+    max_new_tokens: int = bounded(5, ge=1)
     max_batch_tokens: int = bounded(16384, ge=1)
     sglang: dict[str, Any] = field(default_factory=dict)
 
