@@ -187,8 +187,8 @@ class RolloutSection:
     engine: embedded (in-process, default) | sglang. prompts_per_step × group_size responses
     per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens (evaluation's
     sampling is the `eval` section's; the default 5 fits the default task: a 3-digit answer,
-    the end token, and one token more, so that running past the answer costs credit). sglang: keyword arguments of
-    gspo_megatron.rollout.sglang.SGLangEngineConfig.
+    the end token, and one token more, so that running past the answer costs credit).
+    sglang: keyword arguments of gspo_megatron.rollout.sglang.SGLangEngineConfig.
     mode: sync (generate, then train) | one_step_off (batch k+1 generates while batch k trains,
     with the weights from before step k) | async (queue_batches batches generate ahead, taking
     new weights between any two tokens: partial rollouts). One_step_off and async run the
