@@ -593,6 +593,45 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         raise ConfigError(
             "algorithm.overlong_penalty_cache must be in (0, algorithm.overlong_penalty_length]"
         )
+    _check_code_task(cfg)
+
+
+def _check_code_task(cfg: RunConfig) -> None:
+    """A synthetic task with code problems as labels (expr) goes with reward=code and the other
+    way round; its responses need room for the end token after the longest expression (the
+    reward scores a longer program 0, so one that never stops cannot score)."""
+    from gspo_megatron.rewards.synthetic import CODE_TASKS, make_task
+
+    task, reward = cfg.data.task, cfg.reward.name
+    if task is None:
+        return
+    if task in CODE_TASKS and reward in ("synthetic", "math", "exact_match", "format"):
+        raise ConfigError(
+            f"data.task={task} labels are code problems, which reward.name={reward} cannot "
+            "score: set reward=code (or reward.name=remote against a sandbox service)"
+        )
+    if task not in CODE_TASKS and reward == "code":
+        raise ConfigError(
+            f"reward.name=code runs programs on a label's tests; data.task={task}'s labels are "
+            "answer strings: use reward=synthetic, or data.task=expr"
+        )
+    if task not in CODE_TASKS:
+        return
+    kwargs: Any = cfg.data.task_kwargs
+    if not isinstance(kwargs, dict):  # an OmegaConf DictConfig
+        from omegaconf import OmegaConf
+
+        kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    longest = make_task(task, **kwargs).max_target_chars()
+    limits = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
+    if cfg.eval.heldout.max_new_tokens is not None:
+        limits["eval.heldout.max_new_tokens"] = cfg.eval.heldout.max_new_tokens
+    for key, limit in limits.items():
+        if limit <= longest:
+            raise ConfigError(
+                f"{key}={limit} leaves no room for the end token after data.task={task}'s "
+                f"longest expression ({longest} characters): set {key} >= {longest + 1}"
+            )
 
 
 def _check_room_for_the_end_token(cfg: RunConfig) -> None:
