@@ -1,21 +1,24 @@
-"""The sandbox executor: runs untrusted programs, each in its own sandboxed process tree.
+"""The sandbox executor: runs untrusted programs in sandbox slots, one long-lived slot process per
+worker.
 
-    sandbox = Sandbox(SandboxConfig())           # checks the isolation layers now
+    sandbox = Sandbox(SandboxConfig())           # starts a slot and checks the layers now
     result = await sandbox.run(program, stdin)    # RunResult: status, stdout, stderr, times
-    await sandbox.aclose()
+    sandbox.close()
 
-Each run starts `launcher.py` (an interpreter of its own, `python -I -S`, an empty environment,
-no inherited descriptors but its pipes, its own session) which builds the sandbox and runs the
-program (see launcher.py for the process tree and docs/SANDBOX.md for what each layer stops).
-At most `workers` runs are in flight; each holds one slot, and with root each slot runs its
-programs as a uid of its own (`uid_base + 64 * pid + slot`, pid this process's), so the process
-limit of one program is not shared with another's, not even with another trainer's on the same
-machine, and programs cannot signal each other.
+A slot (slot.py: `python -I -S -B`, an empty environment, no inherited descriptors but its
+pipes, its own session) builds a root that hides the host once, then runs each program in pid,
+mount and IPC namespaces of its own under the slot's uid, seccomp filter and rlimits (the
+process tree and what each layer stops: slot.py and docs/SANDBOX.md). Python programs run in a
+fork of the slot's warm interpreter (`prewarm`) or by exec of a fresh one. With root each slot
+runs its programs as a uid of its own (`uid_base + 64 * pid + slot`, pid this process's), so
+the process limit of one program is not shared with another's, not even with another
+trainer's on the same machine, and programs cannot signal each other.
 
-What this side enforces: the wall-clock limit (then the launcher's process group is killed,
-which kills the sandbox's PID 1 and with it every process of the program) and the output
-limit (stdout and stderr read with a cap; past it, the same kill). A run never raises for
-what the program did: the result's `status` says what happened.
+The slot enforces the wall clock and the output caps (it kills the run's init, and with it
+every process of the run). This side runs each slot's requests on a thread of its own and
+keeps a watchdog: a slot that dies or stops answering is killed with everything it started
+and rebuilt for the next run, and the run it held gets status `slot_lost`. A run never raises
+for what the program did: the result's `status` says what happened.
 """
 
 from __future__ import annotations
@@ -27,24 +30,29 @@ import logging
 import marshal
 import math
 import os
+import queue
+import select
 import shutil
 import signal
+import subprocess
 import sys
-import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gspo_megatron.sandbox.languages import Language, get_language
+from gspo_megatron.sandbox.languages import HARNESS, LANGUAGES, Language, get_language
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER = Path(__file__).with_name("launcher.py")
+SLOT = Path(__file__).with_name("slot.py")
 SETUP_FAILED = 125
-STDERR_CAP = 64 * 1024
+ABORT = 0xFFFFFFFF
 STDERR_KEPT = 2000
+STARTUP_TIMEOUT_S = 60.0
+WATCHDOG_GRACE_S = 30.0  # past the wall clock: the slot's own kill grace (10 s) and slack
 RUN_STATUSES = (
     "ok",  # exited with code 0
     "runtime_error",  # exited with another code (an exception, sys.exit(1), ...)
@@ -53,11 +61,12 @@ RUN_STATUSES = (
     "cpu_time",  # used up its CPU-time limit (RLIMIT_CPU)
     "memory",  # ran out of its address-space limit (RLIMIT_AS): MemoryError or a crash
     "output_limit",  # wrote more than the output limit: killed
+    "slot_lost",  # the slot running it died or stopped answering: rebuilt for the next run
     "sandbox_error",  # the sandbox could not be built (the program never ran)
 )
 RunStatus = Literal[
     "ok", "runtime_error", "signal", "timeout", "cpu_time", "memory", "output_limit",
-    "sandbox_error",
+    "slot_lost", "sandbox_error",
 ]  # fmt: skip
 LAYERS = ("namespaces", "unprivileged", "seccomp", "rlimits")
 
@@ -66,11 +75,15 @@ class SandboxUnavailable(RuntimeError):
     """A requested isolation layer does not work on this machine."""
 
 
+class _SlotLost(Exception):
+    """The slot died or stopped answering during a run."""
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
     """What one run may use.
 
-    wall_s: wall-clock time from start to exit, sandbox set-up (~20 ms) included.
+    wall_s: wall-clock time from the run's start (its namespaces' set-up, ~2 ms) to its exit.
     cpu_s: CPU seconds of the program's main process (RLIMIT_CPU; null = ceil(wall_s)).
     memory_mb: address space of each process (RLIMIT_AS).
     processes: processes and threads of the program, all its descendants included
@@ -102,16 +115,18 @@ class SandboxLimits:
             if not ok:
                 raise ValueError(f"{key}.{name}={getattr(self, name)!r} is out of range")
 
-    def launcher_limits(self) -> dict[str, int]:
+    def run_limits(self) -> dict[str, int]:
+        """The limits as the slot applies them."""
         disk = self.disk_mb << 20
         return {
             "cpu_s": self.cpu_s or max(1, math.ceil(self.wall_s)),
             "memory_bytes": self.memory_mb << 20,
-            "processes": self.processes + 1,  # the sandbox's init runs as the same uid
+            "processes": self.processes + 1,  # the run's init runs as the same uid
             "open_files": self.open_files,
             "file_bytes": disk,
             "disk_bytes": disk,
             "inodes": 4096,
+            "output_bytes": self.output_bytes,
         }
 
 
@@ -143,21 +158,25 @@ class RunResult:
 class SandboxConfig:
     """How programs are isolated (docs/SANDBOX.md).
 
-    workers: runs at once (null = the CPUs this process may use).
+    workers: runs at once, one slot process each (null = the CPUs this process may use).
     namespaces: run each program in its own mount, pid, network, IPC and UTS namespaces with
         a root that hides the host. If the kernel refuses them, building the sandbox fails
         and says so; false runs programs in a host directory (weaker: docs/SANDBOX.md).
     seccomp: load a syscall filter (needs libseccomp.so.2); false skips it.
-    python: the interpreter programs run with (null = this process's own, resolved).
+    prewarm: Python programs run in a fork of the slot's interpreter, which has the harness
+        and the modules LiveCodeBench's prelude imports loaded (~1 ms to start); false execs a
+        fresh `python -I -S` per program (~10-20 ms; benchmarks/bench_sandbox.py measures both).
+    python: the interpreter the slots and programs run with (null = this process's own).
     uid_base: with root, slot i runs its programs as uid uid_base + 64 * pid + i, pid this
         process's id (no such user needs to exist; it owns nothing on the host; at most 64
         workers).
-    ro_paths: extra host paths the program may read (bound read-only at the same place).
+    ro_paths: extra host paths programs may read (bound read-only at the same place).
     """
 
     workers: int | None = None
     namespaces: bool = True
     seccomp: bool = True
+    prewarm: bool = True
     python: str | None = None
     uid_base: int = 2_000_000_000
     ro_paths: tuple[str, ...] = ()
@@ -169,52 +188,6 @@ class SandboxConfig:
                 raise ValueError(f"sandbox workers must be in 1..64, got {self.workers}")
             return self.workers
         return min(64, len(os.sched_getaffinity(0)))
-
-
-class _OutputLimit(Exception):
-    pass
-
-
-class _StatusPipe:
-    """The read end of the status pipe: JSON lines from the launcher (init's pid) and init
-    (the final status), read without blocking as they come."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.buf = bytearray()
-        os.set_blocking(fd, False)
-
-    def messages(self) -> list[dict]:
-        while self.fd >= 0:
-            try:
-                chunk = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            self.buf += chunk
-        text = bytes(self.buf).decode(errors="replace")
-        return [json.loads(line) for line in text.splitlines() if line]
-
-    def init_pid(self) -> int | None:
-        try:
-            return next((m["init_pid"] for m in self.messages() if "init_pid" in m), None)
-        except ValueError:
-            return None
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
-    buf = bytearray()
-    while chunk := await stream.read(1 << 16):
-        if len(buf) + len(chunk) > cap:
-            raise _OutputLimit
-        buf += chunk
-    return bytes(buf)
 
 
 def _interpreter(cfg: SandboxConfig) -> tuple[str, str]:
@@ -235,21 +208,201 @@ def _world_executable(path: str) -> bool:
     return dirs_ok and real.stat().st_mode & 0o005 == 0o005
 
 
+def _read_exact(fd: int, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise _SlotLost("stopped answering")
+        chunk = os.read(fd, min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise _SlotLost("exited")
+        buf += chunk
+    return bytes(buf)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _uid_pids(uid: int) -> list[int]:
+    """Processes of `uid` (zombies included)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                line = next((x for x in f if x.startswith("Uid:")), "")
+        except OSError:
+            continue
+        if line.split()[1:2] == [str(uid)]:
+            pids.append(int(name))
+    return pids
+
+
+class _Slot:
+    """One slot process, driven from one executor thread at a time."""
+
+    def __init__(self, sandbox: Sandbox, index: int) -> None:
+        self.sandbox = sandbox
+        self.index = index
+        self.uid = sandbox.first_uid + index if sandbox.root else None
+        self.proc: subprocess.Popen | None = None
+        self.write_lock = threading.Lock()
+        self.layers: list[str] = []
+        self.starts = 0
+
+    def ensure_started(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:
+                self.kill()
+            self.start()
+
+    def start(self) -> None:
+        """Start the slot process and wait for its root, filter and warm interpreter."""
+        sandbox = self.sandbox
+        self.proc = subprocess.Popen(
+            [sandbox.python, "-I", "-S", "-B", str(SLOT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+            env={},
+            cwd="/",
+            start_new_session=True,
+        )
+        self.starts += 1
+        settings = {
+            "namespaces": sandbox.config.namespaces,
+            "seccomp": sandbox.config.seccomp,
+            "uid": self.uid,
+            "gid": self.uid,
+            "ro_paths": list(sandbox.ro_paths),
+            "prewarm": HARNESS.read_text(encoding="utf-8") if sandbox.config.prewarm else None,
+        }
+        try:
+            answer = json.loads(self.exchange(marshal.dumps(settings), STARTUP_TIMEOUT_S))
+        except _SlotLost as exc:
+            why = f"the slot {exc}: {self._stderr()}"
+            self.kill()
+            raise SandboxUnavailable(why) from None
+        if "setup_error" in answer:
+            self.kill()
+            raise SandboxUnavailable(answer["setup_error"])
+        self.layers = answer["layers"]
+
+    def exchange(self, body: bytes, timeout_s: float, job: _Job | None = None) -> bytes:
+        """Send a frame and wait for the answer's frame. With a job: unless it was cancelled,
+        and so that cancelling it from now on aborts the run."""
+        assert self.proc is not None and self.proc.stdin is not None
+        with job.lock if job is not None else contextlib.nullcontext():
+            if job is not None and job.cancelled:
+                raise _Cancelled
+            with self.write_lock:
+                try:
+                    _write_all(self.proc.stdin.fileno(), len(body).to_bytes(4, "big") + body)
+                except OSError:
+                    raise _SlotLost("exited") from None
+            if job is not None:
+                job.slot = self
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        size = int.from_bytes(_read_exact(fd, 4, deadline), "big")
+        return _read_exact(fd, size, deadline)
+
+    def abort(self) -> None:
+        """Kill the run in progress (its caller is gone); the slot stays."""
+        with self.write_lock, contextlib.suppress(OSError, AttributeError, ValueError):
+            _write_all(self.proc.stdin.fileno(), ABORT.to_bytes(4, "big"))
+
+    def _stderr(self) -> str:
+        """What the slot wrote to stderr (it writes only when it fails)."""
+        if self.proc is None or self.proc.stderr is None:
+            return ""
+        fd = self.proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        try:
+            return (os.read(fd, 1 << 16) or b"").decode(errors="replace").strip()[-1000:]
+        except (BlockingIOError, OSError):
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL the slot's process group (its server, and with it every run's namespace)
+        and wait until no process of the slot's uid is left."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+        self.proc = None
+        if self.uid is not None:
+            deadline = time.monotonic() + 10.0
+            while _uid_pids(self.uid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if left := _uid_pids(self.uid):
+                logger.error("sandbox slot %d: processes %s of uid %d outlived it",
+                             self.index, left, self.uid)  # fmt: skip
+
+    def close(self) -> None:
+        """Let the slot exit on EOF (it finishes nothing: no run is in flight), then kill."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self.kill()
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass
+class _Job:
+    """One run's request. `slot` is set while its request is in a slot; `lock` orders a
+    cancel against that, so an abort never reaches a slot that has moved on to another run."""
+
+    request: bytes
+    wall_s: float
+    limits: SandboxLimits
+    cancelled: bool = False
+    slot: _Slot | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            if self.slot is not None:
+                self.slot.abort()
+
+    def release(self) -> None:
+        with self.lock:
+            self.slot = None
+
+
 class Sandbox:
-    """Runs programs under `config` (see the module docstring). Construction probes the
-    requested layers with a trivial program and raises `SandboxUnavailable` naming the one
-    that does not work."""
+    """Runs programs under `config` (see the module docstring). Construction starts a slot,
+    probes the requested layers with a trivial program and raises `SandboxUnavailable` naming
+    the one that does not work. `close()` (or `aclose()`) stops the slots."""
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
         self.config.limits.validate()
         self.workers = self.config.resolved_workers()
         self.python, prefix = _interpreter(self.config)
-        self._root = os.geteuid() == 0
+        self.root = os.geteuid() == 0
         self.first_uid = self.config.uid_base + 64 * os.getpid()
         if self.first_uid + 64 > 2**32 - 2:
             raise ValueError(f"sandbox uid_base={self.config.uid_base} leaves no room for uids")
-        if not self.config.namespaces and not self._root:
+        if not self.config.namespaces and not self.root:
             raise SandboxUnavailable(
                 "without namespaces the sandbox runs programs as uids of their own, which "
                 "needs root; run as root or keep namespaces on"
@@ -261,36 +414,38 @@ class Sandbox:
                 "every user): set python=/usr/bin/python3 or another interpreter anyone can run"
             )
         system = ("/usr", "/bin", "/lib", "/lib64", "/sbin")
-        self.ro_paths = tuple(dict.fromkeys((*system, prefix, *self.config.ro_paths)))
-        self._slots: asyncio.Queue[int] | None = None
-        self._slots_loop: asyncio.AbstractEventLoop | None = None
-        self._reaping: set[asyncio.Task] = set()
-        self.layers = self._probe()
+        languages = tuple(p for lang in LANGUAGES.values() for p in lang.ro_paths)
+        self.ro_paths = tuple(dict.fromkeys((*system, prefix, *languages, *self.config.ro_paths)))
+        self._slots = [_Slot(self, i) for i in range(self.workers)]
+        self._idle: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        for slot in self._slots:
+            self._idle.put(slot)
+        # One thread per slot: a job never waits for a slot, and the threads (the parents of
+        # the slot processes) live as long as the sandbox.
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sandbox-slot")
+        self._closed = False
+        try:
+            self.layers = self._probe()
+        except BaseException:
+            self.close()
+            raise
         logger.info("sandbox: %s, %d workers", ", ".join(self.layers), self.workers)
 
-    # ------------------------------------------------------------------ probing
-
     def _probe(self) -> list[str]:
-        """Run `print(1)` once, synchronously, and return the layers the launcher reports."""
-        probe = lambda: asyncio.run(self.run("print(1)", limits=SandboxLimits(wall_s=30)))  # noqa: E731
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop in this thread: run one here
-            result = probe()
-        else:  # built from a running loop (a service's start-up): probe beside it
-            with ThreadPoolExecutor(1) as pool:
-                result = pool.submit(probe).result()
-        finally:
-            self._slots = self._slots_loop = None
+        """Run `print(1)` once and return the layers the slot reports."""
+        job = self._job("print(1)", "", get_language("python"), {"mode": "script"},
+                        SandboxLimits(wall_s=30))  # fmt: skip
+        result = self._pool.submit(self._run_job, job).result()
         if result.status != "ok" or result.stdout.strip() != "1":
             why = result.error or f"{result.status}: {result.stderr.strip()[-500:]}"
-            hint = {
-                True: "the kernel may refuse unprivileged namespaces (sysctl "
+            hint = (
+                "the kernel may refuse unprivileged namespaces (sysctl "
                 "user.max_user_namespaces, kernel.unprivileged_userns_clone, or a container's "
                 "seccomp profile): allow them, or set namespaces=false (weaker isolation, "
-                "docs/SANDBOX.md)",
-                False: "",
-            }[self.config.namespaces]
+                "docs/SANDBOX.md)"
+                if self.config.namespaces
+                else ""
+            )
             if self.config.seccomp and "libseccomp" in why:
                 hint = "install libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2) or set seccomp=false"  # noqa: E501
             raise SandboxUnavailable(f"the sandbox does not work here: {why}; {hint}".rstrip("; "))
@@ -302,15 +457,6 @@ class Sandbox:
 
     # ------------------------------------------------------------------ running
 
-    def _slot_queue(self) -> asyncio.Queue[int]:
-        loop = asyncio.get_running_loop()
-        if self._slots is None or self._slots_loop is not loop:
-            self._slots = asyncio.Queue()
-            for slot in range(self.workers):
-                self._slots.put_nowait(slot)
-            self._slots_loop = loop
-        return self._slots
-
     async def run(
         self,
         program: str,
@@ -320,179 +466,99 @@ class Sandbox:
         spec: dict | None = None,
         limits: SandboxLimits | None = None,
     ) -> RunResult:
-        """Run `program` with `stdin` as its input; waits for a free slot first."""
+        """Run `program` with `stdin` as its input, once a slot is free. Cancelling the call
+        kills the run."""
         lang = get_language(language) if isinstance(language, str) else language
-        spec = spec or {"mode": "script"}
+        job = self._job(program, stdin, lang, spec or {"mode": "script"}, limits)
+        future = self._pool.submit(self._run_job, job)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+
+    def run_blocking(self, program: str, stdin: str = "", **kwargs) -> RunResult:
+        """`run` for callers without an event loop (benchmarks, tools)."""
+        lang = kwargs.pop("language", "python")
+        lang = get_language(lang) if isinstance(lang, str) else lang
+        job = self._job(program, stdin, lang, kwargs.pop("spec", None) or {"mode": "script"},
+                        kwargs.pop("limits", None))  # fmt: skip
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+        return self._pool.submit(self._run_job, job).result()
+
+    def _job(self, program, stdin, lang: Language, spec: dict, limits) -> _Job:
+        if self._closed:
+            raise RuntimeError("the sandbox is closed")
         if spec["mode"] not in lang.modes:
             raise ValueError(f"language {lang.name} cannot run mode {spec['mode']!r}")
+        missing = [p for p in lang.ro_paths if p not in self.ro_paths]
+        if missing:
+            raise ValueError(
+                f"language {lang.name} needs {missing}, which the slots do not show: register "
+                "it in gspo_megatron.sandbox.LANGUAGES before building the sandbox, or add the "
+                "paths to SandboxConfig.ro_paths"
+            )
         limits = limits or self.config.limits
-        slots = self._slot_queue()
-        slot = await slots.get()
-        try:
-            return await self._run_in_slot(slot, lang, program, stdin, spec, limits)
-        finally:
-            slots.put_nowait(slot)
-
-    def _request(self, slot, lang, program, stdin, spec, limits, status_fd, workdir) -> bytes:
-        uid = self.first_uid + slot if self._root else None
-        argv = [a.replace("{python}", self.python) for a in lang.argv]
+        limits.validate()
         env = {"PATH": "/usr/bin:/bin", "HOME": "/sandbox", "TMPDIR": "/sandbox"}
         env["LANG"] = "C.UTF-8"
-        req = {
-            "status_fd": status_fd,
-            "namespaces": self.config.namespaces,
-            "seccomp": self.config.seccomp,
-            "uid": uid,
-            "gid": uid,
-            "ro_paths": list(self.ro_paths + lang.ro_paths),
+        request = {
             "files": lang.files(program, spec),
             "stdin": stdin,
-            "argv": argv,
+            "argv": [a.replace("{python}", self.python) for a in lang.argv],
             "env": env,
-            "limits": limits.launcher_limits(),
-            "workdir": workdir,
+            "limits": limits.run_limits(),
+            "wall_s": float(limits.wall_s),
+            "in_process": self.config.prewarm and lang.prewarm,
         }
-        if not self.config.namespaces:  # a host directory stands in for /code and /sandbox
-            env["HOME"] = env["TMPDIR"] = f"{workdir}/sandbox"
-            req["argv"] = [a.replace("/code/", f"{workdir}/code/") for a in argv]
-        return marshal.dumps(req)
+        return _Job(marshal.dumps(request), float(limits.wall_s), limits)
 
-    async def _run_in_slot(self, slot, lang, program, stdin, spec, limits) -> RunResult:
-        workdir = None
-        if not self.config.namespaces:
-            workdir = self._host_workdir(slot, lang, program, stdin, spec)
-        status_r, status_w = os.pipe()
-        start = time.perf_counter()
+    def _run_job(self, job: _Job) -> RunResult:
+        """On a pool thread: take a slot (there is always one: a thread per slot), run, give
+        it back."""
+        slot = self._idle.get_nowait()
         try:
-            request = self._request(slot, lang, program, stdin, spec, limits, status_w, workdir)
-            proc = await asyncio.create_subprocess_exec(
-                self.python, "-I", "-S", "-B", str(LAUNCHER),
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                pass_fds=(status_w,),
-                env={},
-                cwd="/",
-                start_new_session=True,
-            )  # fmt: skip
-        except BaseException:
-            os.close(status_r)
-            os.close(status_w)
-            self._remove_workdir(workdir)
-            raise
-        os.close(status_w)
-        status_pipe = _StatusPipe(status_r)
-        killed: RunStatus | None = None
-        out = err = b""
-        try:
+            if job.cancelled:
+                return RunResult("sandbox_error", error="cancelled before it ran")
             try:
-                out, err = await asyncio.wait_for(
-                    self._communicate(proc, request, limits), limits.wall_s
-                )
-            except TimeoutError:
-                killed = "timeout"
-            except _OutputLimit:
-                killed = "output_limit"
-            if killed:
-                await self._kill(proc, slot, status_pipe)
-        except BaseException:  # cancelled by the caller: nothing may outlive the run
-            self._kill_now(proc, status_pipe)
-            self._reap_later(proc, slot, status_pipe)
-            self._remove_workdir(workdir)
-            raise
-        wall = time.perf_counter() - start
-        status = self._read_status(status_pipe)
-        if not self.config.namespaces and status and status.get("left_processes"):
-            await self._sweep_uid(slot)
-        self._remove_workdir(workdir)
-        return self._result(killed, status, out, err, wall, limits, proc.returncode)
-
-    async def _communicate(self, proc, request: bytes, limits: SandboxLimits) -> tuple:
-        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-        out_task = asyncio.ensure_future(_read_capped(proc.stdout, limits.output_bytes))
-        err_task = asyncio.ensure_future(_read_capped(proc.stderr, STDERR_CAP))
-        try:
-            with contextlib.suppress(ConnectionError):
-                proc.stdin.write(request)
-                await proc.stdin.drain()
-                proc.stdin.close()
-            out, err = await asyncio.gather(out_task, err_task)
-            await proc.wait()
+                slot.ensure_started()
+            except SandboxUnavailable as exc:
+                return RunResult("sandbox_error", error=str(exc))
+            try:
+                body = slot.exchange(job.request, job.wall_s + WATCHDOG_GRACE_S, job)
+            except _Cancelled:
+                return RunResult("sandbox_error", error="cancelled before it ran")
+            except _SlotLost as exc:
+                why = f"sandbox slot {slot.index} {exc} during the run: {slot._stderr()}"
+                logger.warning("%s; rebuilding it", why.rstrip(": "))
+                slot.kill()
+                return RunResult("slot_lost", error=why.rstrip(": "))
+            finally:
+                job.release()
+            return self._result(body, job.limits)
         finally:
-            for task in (out_task, err_task):
-                task.cancel()
-        return out, err
+            self._idle.put(slot)
 
-    @staticmethod
-    def _kill_now(proc, status_pipe: _StatusPipe) -> None:
-        """SIGKILL the sandbox's init (its exit kills every process of its namespace), which
-        the launcher then reaps and exits; before init exists, the launcher's process group."""
-        init_pid = status_pipe.init_pid()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            if init_pid is not None:
-                os.kill(init_pid, signal.SIGKILL)
-            else:
-                os.killpg(proc.pid, signal.SIGKILL)
-
-    async def _kill(self, proc, slot: int, status_pipe: _StatusPipe) -> None:
-        self._kill_now(proc, status_pipe)
-        try:
-            await asyncio.wait_for(proc.wait(), 10.0)
-        except TimeoutError:  # the launcher did not exit: the whole group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        if not self.config.namespaces:
-            await self._sweep_uid(slot)
-
-    def _reap_later(self, proc, slot: int, status_pipe: _StatusPipe) -> None:
-        async def reap() -> None:
-            await proc.wait()
-            status_pipe.close()
-            if not self.config.namespaces:
-                await self._sweep_uid(slot)
-
-        task = asyncio.get_running_loop().create_task(reap())
-        self._reaping.add(task)
-        task.add_done_callback(self._reaping.discard)
-
-    async def _sweep_uid(self, slot: int) -> None:
-        """Without namespaces nothing kills a program's detached processes for us: kill every
-        process of the slot's uid, as that uid (kill(-1) reaches exactly those), twice to
-        catch forks made meanwhile."""
-        uid = self.first_uid + slot
-        code = f"import os\nos.setresuid({uid},{uid},{uid})\nfor _ in range(2):\n"
-        code += "    try: os.kill(-1, 9)\n    except ProcessLookupError: pass\n"
-        proc = await asyncio.create_subprocess_exec(
-            self.python, "-I", "-S", "-c", code, env={}, cwd="/"
-        )
-        await proc.wait()
-
-    @staticmethod
-    def _read_status(status_pipe: _StatusPipe) -> dict | None:
-        """init's final status (None when it never came), closing the pipe."""
-        try:
-            messages = status_pipe.messages()
-        except ValueError as exc:
-            return {"setup_error": f"unreadable status: {exc}"}
-        finally:
-            status_pipe.close()
-        final = [m for m in messages if "init_pid" not in m]
-        return final[-1] if final else None
-
-    def _result(self, killed, status, out, err, wall, limits, returncode) -> RunResult:
-        stdout = out.decode("utf-8", errors="replace")
-        stderr = err.decode("utf-8", errors="replace")[-STDERR_KEPT:]
-        base = dict(stdout=stdout, stderr=stderr, wall_s=wall)
-        if killed:
+    def _result(self, body: bytes, limits: SandboxLimits) -> RunResult:
+        size = int.from_bytes(body[:4], "big")
+        header = json.loads(body[4 : 4 + size])
+        out_end = 4 + size + header["stdout"]
+        stdout = body[4 + size : out_end].decode("utf-8", errors="replace")
+        stderr = body[out_end:].decode("utf-8", errors="replace")[-STDERR_KEPT:]
+        base = dict(stdout=stdout, stderr=stderr, wall_s=header["wall_s"])
+        killed, status = header["killed"], header["status"]
+        if killed in ("timeout", "output_limit"):
             return RunResult(killed, **base, layers=list(self.layers))
+        if killed is not None:
+            return RunResult("sandbox_error", **base, error=f"the run was {killed}")
         if status is None or "setup_error" in status:
             why = (status or {}).get("setup_error") or (
-                f"the launcher exited with code {returncode} without a status: {stderr[-300:]!r}"
+                f"the run's init exited without a status: {stderr[-300:]!r}"
             )
             return RunResult("sandbox_error", **base, error=why)
         code, sig = status.get("exit_code"), status.get("signal")
-        cpu_limit = limits.launcher_limits()["cpu_s"]
+        cpu_limit = limits.run_limits()["cpu_s"]
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and status["cpu_s"] >= cpu_limit):
             kind: RunStatus = "cpu_time"
         elif "MemoryError" in stderr or "Cannot allocate memory" in stderr:
@@ -515,32 +581,16 @@ class Sandbox:
             layers=list(status.get("layers", [])),
         )
 
-    # ------------------------------------------------------------------ without namespaces
+    # ------------------------------------------------------------------ closing
 
-    def _host_workdir(self, slot, lang, program, stdin, spec) -> str:
-        """A host directory for a run without namespaces: code/ (read-only, root's) and
-        sandbox/ (the program's uid's, mode 0700)."""
-        uid = self.first_uid + slot
-        root = tempfile.mkdtemp(prefix="gspo-sandbox-")
-        os.chmod(root, 0o711)
-        code = os.path.join(root, "code")
-        os.mkdir(code, 0o755)
-        for name, text in {**lang.files(program, spec), "input": stdin}.items():
-            path = os.path.join(code, name)
-            Path(path).write_text(text, encoding="utf-8")
-            os.chmod(path, 0o444)
-        os.chmod(code, 0o555)
-        work = os.path.join(root, "sandbox")
-        os.mkdir(work, 0o700)
-        os.chown(work, uid, uid)
-        return root
-
-    @staticmethod
-    def _remove_workdir(workdir: str | None) -> None:
-        if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
+    def close(self) -> None:
+        """Stop the slots (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        for slot in self._slots:
+            slot.close()
 
     async def aclose(self) -> None:
-        """Wait for the processes of cancelled runs to be reaped."""
-        if self._reaping:
-            await asyncio.wait(list(self._reaping), timeout=5.0)
+        await asyncio.to_thread(self.close)

@@ -15,7 +15,9 @@ read-only at the same path). To add one, register it:
 (a compiler's temporary files and output go to /sandbox, the only writable place; give such a
 language a larger `SandboxLimits` as compilers need more memory and time). `spec` is the
 harness's settings, e.g. {"mode": "call", "fn_name": ...}; a language without a harness
-supports only {"mode": "script"}.
+supports only {"mode": "script"}. `prewarm`: the language's programs can also run through
+Python's harness loaded once by the slot, in a fork of the slot's interpreter, instead of by
+exec of `argv` (SandboxConfig.prewarm); only Python's files fit that harness.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Language:
     argv: tuple[str, ...]
     ro_paths: tuple[str, ...] = field(default_factory=tuple)
     modes: tuple[str, ...] = ("script",)
+    prewarm: bool = False
 
 
 def _python_files(program: str, spec: dict) -> dict[str, str]:
@@ -51,7 +54,11 @@ def _shell_files(program: str, spec: dict) -> dict[str, str]:
 
 LANGUAGES: dict[str, Language] = {
     "python": Language(
-        "python", _python_files, ("{python}", "-I", "-S", "-B", "/code/harness.py"), modes=MODES
+        "python",
+        _python_files,
+        ("{python}", "-I", "-S", "-B", "/code/harness.py"),
+        modes=MODES,
+        prewarm=True,
     ),
     "sh": Language("sh", _shell_files, ("/bin/sh", "/code/main.sh")),
 }

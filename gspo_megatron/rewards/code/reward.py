@@ -13,11 +13,13 @@ scores 0 (too_long) without running, except under "partial", where it runs and e
 credit times max_program_chars / its length: extra characters cost credit as extra positions
 do in the synthetic tasks, and such a program never earns 1. Every outcome has a named
 reason: passed, wrong_answer,
-runtime_error, timeout, cpu_time, memory, output_limit, signal (the first failing test's),
-no_program, too_long. They are counted and reported per batch as reward/code/<reason>.
+runtime_error, timeout, cpu_time, memory, output_limit, signal, slot_lost (the first failing
+test's), no_program, too_long. They are counted and reported per batch as
+reward/code/<reason>.
 
 A sandbox that cannot run a program (sandbox_error) is the grader's failure, not the
-program's: the call raises RewardError, which the scorer counts as a failed reward call.
+program's: the call raises RewardError, which the scorer counts as a failed reward call. A
+slot that died under a program (slot_lost: rebuilt for the next run) scores that program 0.
 
 Outcomes are cached by (program, problem, settings): an LRU of `cache_size` entries, and
 identical programs in flight share one run. Programs that read randomness or the clock may
@@ -51,7 +53,7 @@ logger = logging.getLogger(__name__)
 SCORINGS = ("all", "fraction", "partial")
 REASONS = (
     "passed", "wrong_answer", "runtime_error", "timeout", "cpu_time", "memory",
-    "output_limit", "signal", "no_program", "too_long",
+    "output_limit", "signal", "slot_lost", "no_program", "too_long",
 )  # fmt: skip
 
 
@@ -88,7 +90,7 @@ class CodeReward:
         test_timeout_s: wall-clock limit per test (a label's time_limit_s overrides it).
         memory_mb, processes, max_output_bytes, disk_mb: per-run limits (SandboxLimits).
         max_program_chars: longer programs score 0 (too_long) without running.
-        workers, namespaces, seccomp, python: the sandbox (SandboxConfig).
+        workers, namespaces, seccomp, prewarm, python: the sandbox (SandboxConfig).
         cache_size: outcomes kept (0 = no cache).
     """
 
@@ -106,6 +108,7 @@ class CodeReward:
         workers: int | None = None,
         namespaces: bool = True,
         seccomp: bool = True,
+        prewarm: bool = True,
         python: str | None = None,
         cache_size: int = 65536,
     ) -> None:
@@ -131,6 +134,7 @@ class CodeReward:
                 workers=workers,
                 namespaces=namespaces,
                 seccomp=seccomp,
+                prewarm=prewarm,
                 python=python,
                 limits=self.limits,
             )
