@@ -582,6 +582,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"algorithm.mismatch_upper={alg.mismatch_upper:g}"
         )
     _check_mismatch(alg)
+    _check_task_labels(cfg)
     _check_room_for_the_end_token(cfg)
     _check_critic(cfg)
     _check_moe_aux_loss(alg, model)
@@ -593,18 +594,16 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         raise ConfigError(
             "algorithm.overlong_penalty_cache must be in (0, algorithm.overlong_penalty_length]"
         )
-    _check_code_task(cfg)
 
 
-def _check_code_task(cfg: RunConfig) -> None:
-    """A synthetic task with code problems as labels (expr) goes with reward=code and the other
-    way round; its responses need room for the end token after the longest expression (the
-    reward scores a longer program 0, so one that never stops cannot score)."""
-    from gspo_megatron.rewards.synthetic import CODE_TASKS, make_task
-
+def _check_task_labels(cfg: RunConfig) -> None:
+    """A synthetic task's labels go with the reward that reads them: code problems (expr) with
+    reward=code, answer strings with the others."""
     task, reward = cfg.data.task, cfg.reward.name
     if task is None:
         return
+    from gspo_megatron.rewards.synthetic import CODE_TASKS
+
     if task in CODE_TASKS and reward in ("synthetic", "math", "exact_match", "format"):
         raise ConfigError(
             f"data.task={task} labels are code problems, which reward.name={reward} cannot "
@@ -613,31 +612,16 @@ def _check_code_task(cfg: RunConfig) -> None:
     if task not in CODE_TASKS and reward == "code":
         raise ConfigError(
             f"reward.name=code runs programs on a label's tests; data.task={task}'s labels are "
-            "answer strings: use reward=synthetic, or data.task=expr"
+            f"answer strings: use reward=synthetic, or data.task one of {sorted(CODE_TASKS)}"
         )
-    if task not in CODE_TASKS:
-        return
-    kwargs: Any = cfg.data.task_kwargs
-    if not isinstance(kwargs, dict):  # an OmegaConf DictConfig
-        from omegaconf import OmegaConf
-
-        kwargs = OmegaConf.to_container(kwargs, resolve=True)
-    longest = make_task(task, **kwargs).max_target_chars()
-    limits = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
-    if cfg.eval.heldout.max_new_tokens is not None:
-        limits["eval.heldout.max_new_tokens"] = cfg.eval.heldout.max_new_tokens
-    for key, limit in limits.items():
-        if limit <= longest:
-            raise ConfigError(
-                f"{key}={limit} leaves no room for the end token after data.task={task}'s "
-                f"longest expression ({longest} characters): set {key} >= {longest + 1}"
-            )
 
 
 def _check_room_for_the_end_token(cfg: RunConfig) -> None:
-    """The synthetic reward gives full credit only to the answer followed by the end token:
-    a response that never stops must be longer than every target, so it cannot score 1."""
-    if cfg.data.task is None or cfg.reward.name != "synthetic":
+    """The synthetic reward, and the code reward on a synthetic code task (expr), give full
+    credit only to the answer followed by the end token: a response that never stops must be
+    longer than every target, so it cannot score 1."""
+    task, reward = cfg.data.task, cfg.reward.name
+    if task is None or reward not in ("synthetic", "code"):
         return
     from gspo_megatron.data.config import synthetic_task
 
@@ -649,7 +633,7 @@ def _check_room_for_the_end_token(cfg: RunConfig) -> None:
         if limit <= longest:
             raise ConfigError(
                 f"{key}={limit} leaves no room for the end token after data.task="
-                f"{cfg.data.task}'s longest answer ({longest} characters): the synthetic reward "
+                f"{task}'s longest answer ({longest} characters): the {reward} reward "
                 f"gives full credit only to the answer followed by the end token; set {key} >= "
                 f"{longest + 1}"
             )
