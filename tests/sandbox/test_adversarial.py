@@ -14,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from sandbox_host import requires_sandbox
 
 from gspo_megatron.rewards.code import CodeReward
 from gspo_megatron.rewards.scorer import RewardScorer
 from gspo_megatron.sandbox import SandboxLimits
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the suite runs as root (as CI does)")
+pytestmark = requires_sandbox
 
 SECRET = "gspo-test-secret-7f3a"
 PROCESSES = 16

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 
 import pytest
+from sandbox_host import requires_sandbox
 
 from gspo_megatron.sandbox import (
     LANGUAGES,
@@ -16,7 +19,7 @@ from gspo_megatron.sandbox import (
     SandboxUnavailable,
 )
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the suite runs as root (as CI does)")
+pytestmark = requires_sandbox
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +152,14 @@ def test_unavailable_layers_are_refused_with_the_fix():
         Sandbox(SandboxConfig(workers=0))
     with pytest.raises(ValueError, match="workers must be in 1..64"):
         Sandbox(SandboxConfig(workers=65))
+
+
+def test_the_sandbox_and_the_code_reward_import_no_megatron_nor_torch():
+    """Their layer (docs/ARCHITECTURE.md): a sandbox service or a reward worker stays light."""
+    code = (
+        "import sys, gspo_megatron.sandbox, gspo_megatron.rewards.code\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('megatron', 'torch', 'transformers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -11,11 +11,12 @@ import signal
 import time
 
 import pytest
+from sandbox_host import requires_sandbox
 
 from gspo_megatron.rewards.code import CodeReward
 from gspo_megatron.sandbox import Sandbox, SandboxConfig, SandboxLimits
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the suite runs as root (as CI does)")
+pytestmark = requires_sandbox
 
 LABEL = {"tests": [{"input": "1000003 998244353\n", "output": "999244356\n"}]}
 RIGHT = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"

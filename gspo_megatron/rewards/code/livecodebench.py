@@ -18,10 +18,12 @@ import argparse
 import base64
 import io
 import json
+import os
 import pickle
 import zlib
 from typing import Any
 
+from gspo_megatron.rewards.base import RewardError
 from gspo_megatron.rewards.code.problems import parse_problem
 
 STDIN_INSTRUCTIONS = (
@@ -96,19 +98,43 @@ def lcb_record(row: dict[str, Any], where: str = "row") -> dict[str, Any]:
     }
 
 
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """The prompt records of a LiveCodeBench JSONL file (ValueError naming the line)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a row must be a JSON object")
+            try:
+                records.append(lcb_record(row, where))
+            except RewardError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+    return records
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="LiveCodeBench rows -> code-reward prompts.")
     parser.add_argument("source", help="LiveCodeBench JSONL (code_generation rows)")
     parser.add_argument("out", help="JSONL with prompt and label fields")
     args = parser.parse_args(argv)
-    from gspo_megatron.data.dataset import write_jsonl
-
-    records = []
-    with open(args.source, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                records.append(lcb_record(json.loads(line), f"{args.source}:{lineno}"))
-    write_jsonl(args.out, records)
+    try:
+        records = read_rows(args.source)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"livecodebench: {exc}") from None
+    tmp = f"{args.out}.tmp.{os.getpid()}"  # a kill leaves the old file or the new one
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, args.out)
     print(f"wrote {len(records)} problems to {args.out}")
 
 

@@ -171,7 +171,8 @@ def call_result_matches(actual: str, expected: str) -> bool:
 
 def position_credit(actual: str, expected: str) -> float:
     """Fraction of characters that agree position by position, over the longer length (the
-    synthetic tasks' partial credit, applied to a program's output)."""
+    synthetic tasks' partial credit, applied to a program's output as printed: the newline
+    after a value of the right length earns its position, a signal for the right length)."""
     longest = max(len(actual), len(expected))
     if longest == 0:
         return 1.0
