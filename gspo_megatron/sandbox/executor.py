@@ -48,6 +48,7 @@ from gspo_megatron.sandbox.languages import HARNESS, LANGUAGES, Language, get_la
 logger = logging.getLogger(__name__)
 
 SLOT = Path(__file__).with_name("slot.py")
+SECCOMP_LIBRARY = "libseccomp.so.2"  # Debian/Ubuntu package libseccomp2
 SETUP_FAILED = 125
 ABORT = 0xFFFFFFFF
 STDERR_KEPT = 2000
@@ -277,7 +278,7 @@ class _Slot:
         self.starts += 1
         settings = {
             "namespaces": sandbox.config.namespaces,
-            "seccomp": sandbox.config.seccomp,
+            "seccomp": SECCOMP_LIBRARY if sandbox.config.seccomp else None,
             "uid": self.uid,
             "gid": self.uid,
             "ro_paths": list(sandbox.ro_paths),
@@ -447,7 +448,10 @@ class Sandbox:
                 else ""
             )
             if self.config.seccomp and "libseccomp" in why:
-                hint = "install libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2) or set seccomp=false"  # noqa: E501
+                hint = (
+                    "install libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2) or set "
+                    "seccomp=false"
+                )
             raise SandboxUnavailable(f"the sandbox does not work here: {why}; {hint}".rstrip("; "))
         wanted = {"namespaces": self.config.namespaces, "seccomp": self.config.seccomp}
         missing = [name for name, on in wanted.items() if on and name not in result.layers]

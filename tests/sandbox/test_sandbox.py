@@ -17,6 +17,7 @@ from gspo_megatron.sandbox import (
     SandboxConfig,
     SandboxLimits,
     SandboxUnavailable,
+    executor,
 )
 
 pytestmark = requires_sandbox
@@ -143,6 +144,17 @@ def _live_uid(pid: str) -> int | None:
     if fields["State"].strip().startswith("Z"):
         return None
     return int(fields["Uid"].split()[0])
+
+
+def test_a_missing_libseccomp_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(executor, "SECCOMP_LIBRARY", "libseccomp-missing.so.2")
+    with pytest.raises(SandboxUnavailable) as err:
+        Sandbox(SandboxConfig(workers=1))
+    assert "libseccomp-missing.so.2 is not installed" in str(err.value)
+    assert "install libseccomp2 (Debian/Ubuntu: apt-get install libseccomp2)" in str(err.value)
+    without = Sandbox(SandboxConfig(workers=1, seccomp=False))  # the other fix it names
+    assert without.layers == ["rlimits", "namespaces", "unprivileged"]
+    without.close()
 
 
 def test_unavailable_layers_are_refused_with_the_fix():
