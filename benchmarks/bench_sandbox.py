@@ -3,6 +3,7 @@ exec of a fresh interpreter per program) and through a bare subprocess, side by 
 
     python benchmarks/bench_sandbox.py                 # 2 workers, 3 rounds of 200 programs
     python benchmarks/bench_sandbox.py --workers 2 --programs 300 --rounds 5
+    python benchmarks/bench_sandbox.py --attacks       # what stops each attack, and when
 
 Each mode runs the same Python harness (gspo_megatron/sandbox/python_harness.py) on the same
 files, `--workers` programs at a time:
@@ -18,6 +19,10 @@ Modes alternate within each round, so the machine's load (shared here) falls on 
 alike; the table gives each mode's median over rounds of programs per second (wall clock) and
 CPU milliseconds per program (this process plus every process it started: the slots' servers
 count their runs' CPU as they reap them), and their ratios to bare.
+
+--attacks: the adversarial suite's programs (tests/sandbox/test_adversarial.py) once each
+under its limits (2 s wall, 256 MB, 16 processes, 64 KiB of output), with the status that
+stopped each and the wall time from its start to its end (kill and clean-up included).
 """
 
 from __future__ import annotations
@@ -107,12 +112,43 @@ def measure(run, cpu_of) -> tuple[float, float]:
     return n / wall, 1000 * cpu / n
 
 
+ATTACKS = {
+    "infinite loop": "while True:\n    pass\n",
+    "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+    "        pass\n",
+    "memory bomb": "blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))\n",
+    "1 GB of output": "import sys\nfor _ in range(16384):\n    sys.stdout.write('x' * 65536)\n",
+    "writing outside its directory": "open('/usr/x', 'w')\n",
+    "reading the trainer's environment": "import os\nprint(os.environ.get('HOME'))\n",
+    "socket to localhost": "import socket\nsocket.create_connection(('127.0.0.1', 22), 1)\n",
+    "killing its parent": "import os\nos.kill(os.getppid(), 9)\n",
+    "background child": "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+    "    time.sleep(600)\n",
+    "ctypes escape (unshare)": "import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000) == 0\n",
+    "sleeper": "import time\ntime.sleep(600)\n",
+}
+
+
+def attacks(workers: int) -> None:
+    limits = SandboxLimits(wall_s=2.0, memory_mb=256, processes=16, output_bytes=1 << 16)
+    sandbox = Sandbox(SandboxConfig(workers=workers, limits=limits))
+    print("| case | status | wall s |\n|---|---|---|")
+    for name, program in ATTACKS.items():
+        result = sandbox.run_blocking(program, "")
+        print(f"| {name} | {result.status} | {result.wall_s:.2f} |")
+    sandbox.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--programs", type=int, default=200, help="per mode per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--attacks", action="store_true")
     args = parser.parse_args()
+    if args.attacks:
+        attacks(args.workers)
+        return
     n = args.programs
     sandboxes = {
         "sandbox, prewarm": Sandbox(SandboxConfig(workers=args.workers, prewarm=True)),
