@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from sandbox_host import requires_sandbox
@@ -175,3 +177,38 @@ def test_the_sandbox_and_the_code_reward_import_no_megatron_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+UNPRIVILEGED = """\
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from gspo_megatron.sandbox import Sandbox, SandboxConfig, SandboxLimits
+sandbox = Sandbox(SandboxConfig(workers=1, python=sys.executable))
+seen = sandbox.run_blocking("import os\\nprint(os.getuid(), os.getpid(), sorted(os.listdir('/')))")
+net = sandbox.run_blocking("import socket\\nsocket.socket()")
+loop = sandbox.run_blocking("while True: pass", limits=SandboxLimits(wall_s=1))
+print(repr([os.getuid(), sandbox.layers, seen.stdout, net.status, loop.status]))
+sandbox.close()
+"""
+
+
+def test_without_root_a_user_namespace_stands_in():
+    """The sandbox started by an unprivileged user (uid 65534): the slot's user namespace
+    maps it to uid 0 inside, which gives up its capabilities before the program runs."""
+    python = "/usr/bin/python3"
+    repo = Path(__file__).resolve().parents[2]
+    if shutil.which("setpriv") is None or not os.access(python, os.X_OK):
+        pytest.skip("needs setpriv (util-linux) and /usr/bin/python3")
+    if not all(d.stat().st_mode & 0o005 == 0o005 for d in [repo, *repo.parents]):
+        pytest.skip(f"uid 65534 cannot read the checkout at {repo}")
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-I", "-c",
+           UNPRIVILEGED, str(repo)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    uid, layers, seen, net, loop = eval(out.stdout)
+    assert uid == 65534 and layers == ["rlimits", "namespaces", "unprivileged", "seccomp"]
+    assert (
+        seen
+        == "0 2 ['bin', 'code', 'dev', 'lib', 'lib64', 'proc', 'sandbox', 'sbin', 'tmp', 'usr']\n"
+    )  # noqa: E501
+    assert (net, loop) == ("runtime_error", "timeout")
