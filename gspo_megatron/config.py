@@ -582,6 +582,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"algorithm.mismatch_upper={alg.mismatch_upper:g}"
         )
     _check_mismatch(alg)
+    _check_task_labels(cfg)
     _check_room_for_the_end_token(cfg)
     _check_critic(cfg)
     _check_moe_aux_loss(alg, model)
@@ -595,10 +596,32 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         )
 
 
+def _check_task_labels(cfg: RunConfig) -> None:
+    """A synthetic task's labels go with the reward that reads them: code problems (expr) with
+    reward=code, answer strings with the others."""
+    task, reward = cfg.data.task, cfg.reward.name
+    if task is None:
+        return
+    from gspo_megatron.rewards.synthetic import CODE_TASKS
+
+    if task in CODE_TASKS and reward in ("synthetic", "math", "exact_match", "format"):
+        raise ConfigError(
+            f"data.task={task} labels are code problems, which reward.name={reward} cannot "
+            "score: set reward=code (or reward.name=remote against a sandbox service)"
+        )
+    if task not in CODE_TASKS and reward == "code":
+        raise ConfigError(
+            f"reward.name=code runs programs on a label's tests; data.task={task}'s labels are "
+            f"answer strings: use reward=synthetic, or data.task one of {sorted(CODE_TASKS)}"
+        )
+
+
 def _check_room_for_the_end_token(cfg: RunConfig) -> None:
-    """The synthetic reward gives full credit only to the answer followed by the end token:
-    a response that never stops must be longer than every target, so it cannot score 1."""
-    if cfg.data.task is None or cfg.reward.name != "synthetic":
+    """The synthetic reward, and the code reward on a synthetic code task (expr), give full
+    credit only to the answer followed by the end token: a response that never stops must be
+    longer than every target, so it cannot score 1."""
+    task, reward = cfg.data.task, cfg.reward.name
+    if task is None or reward not in ("synthetic", "code"):
         return
     from gspo_megatron.data.config import synthetic_task
 
@@ -610,7 +633,7 @@ def _check_room_for_the_end_token(cfg: RunConfig) -> None:
         if limit <= longest:
             raise ConfigError(
                 f"{key}={limit} leaves no room for the end token after data.task="
-                f"{cfg.data.task}'s longest answer ({longest} characters): the synthetic reward "
+                f"{task}'s longest answer ({longest} characters): the {reward} reward "
                 f"gives full credit only to the answer followed by the end token; set {key} >= "
                 f"{longest + 1}"
             )

@@ -49,16 +49,31 @@ def resolved(*overrides: str):
         (["data.task=add", "rollout.max_new_tokens=8", "eval.heldout.max_new_tokens=4"],
          "eval.heldout.max_new_tokens=4 leaves no room for the end token after data.task=add's "
          "longest answer (4 characters)"),
+        (["data.task=expr"],
+         "data.task=expr labels are code problems, which reward.name=synthetic cannot score"),
+        (["reward=code"],
+         "reward.name=code runs programs on a label's tests; data.task=copy's labels are answer "
+         "strings"),
+        (["reward=code", "data.task=expr", "rollout.max_new_tokens=3"],
+         "rollout.max_new_tokens=3 leaves no room for the end token after data.task=expr's "
+         "longest answer (3 characters): the code reward gives full credit only to the answer "
+         "followed by the end token"),
     ],
     ids=["coef-without-type", "type-without-coef", "dense", "sinkhorn", "moved-key",
          "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget",
          "env-async", "env-one-step-off", "env-unknown", "no-room-for-the-end-token",
-         "no-room-for-the-end-token-in-evaluation"],
+         "no-room-for-the-end-token-in-evaluation", "code-task-without-code-reward",
+         "code-reward-without-code-task", "no-room-for-the-end-token-in-code"],
 )  # fmt: skip
 def test_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
         resolved(*overrides)
     assert message in str(err.value)
+
+
+def test_the_code_experiment_resolves():
+    cfg, _, _ = resolve(compose(["+experiment=code_cpu"]), 1)
+    assert (cfg.data.task, cfg.reward.name, cfg.model.tokenizer) == ("expr", "code", "char_expr")
 
 
 def test_environment_kwargs_checked_against_the_class():
