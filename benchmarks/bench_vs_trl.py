@@ -376,7 +376,7 @@ def _engine_losses(hf_dir, prompts, completions, old_lp, advantages, info) -> di
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
     from gspo_megatron.spec.model_config import ModelConfig

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo_megatron.rollout.engine import SamplingParams  # noqa: E402
+from gspo_megatron.rollout.base import SamplingParams  # noqa: E402
 from gspo_megatron.rollout.sglang import (  # noqa: E402
     ServerLaunchConfig,
     SGLangEngine,

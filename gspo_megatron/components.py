@@ -47,7 +47,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     engine = build_policy_engine(cfg, model, layout)
     reference = None
     if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0:
-        from gspo_megatron.megatron.engine import TrainingEngine
+        from gspo_megatron.megatron.training_engine import TrainingEngine
 
         # The initial policy, frozen: copied before a resume loads the policy's checkpoint, so a
         # resumed run keeps the same reference (model.init_from, or the seeded initialisation).
@@ -109,7 +109,7 @@ def load_run_tokenizer(cfg: RunConfig):
 
 
 def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout):
-    from gspo_megatron.megatron.engine import TrainingEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
 
     engine = TrainingEngine(
         model,
@@ -164,7 +164,7 @@ def build_critic(cfg: RunConfig, policy, run_dir: Path):
     run directory (removed after)."""
     from gspo_megatron.checkpoint import load_engine_weights
     from gspo_megatron.megatron import checkpointing, parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
 
     layout = cfg.critic_layout(policy.layout.world_size)
     groups = None if layout == policy.layout else parallel.LayoutGroups(layout, seed=cfg.seed)
@@ -219,7 +219,7 @@ def build_rollout(cfg: RunConfig, engine):
     if r.mode != "sync" and r.engine == "embedded":
         return build_generator_process(cfg, engine, record_routes)
     if r.engine == "embedded":
-        from gspo_megatron.rollout.embedded import EmbeddedEngine
+        from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
 
         return (
             EmbeddedEngine(
@@ -230,8 +230,8 @@ def build_rollout(cfg: RunConfig, engine):
             ),
             None,
         )
+    from gspo_megatron.megatron.weight_export import MegatronWeightSource
     from gspo_megatron.rollout.sglang import SGLangEngine
-    from gspo_megatron.rollout.weight_export import MegatronWeightSource
 
     source = MegatronWeightSource.from_engine(engine)
     # Rank 0, the weights' sender, launches and drives the servers (rollout/driver.py).
@@ -242,8 +242,8 @@ def build_rollout(cfg: RunConfig, engine):
 def build_generator_process(cfg: RunConfig, engine, record_routes: bool):
     """The embedded engine's asynchronous form (rollout.mode one_step_off / async) and the
     weight source it copies from; rank 0 starts the process."""
-    from gspo_megatron.rollout.generator import GeneratorProcessEngine
-    from gspo_megatron.rollout.weight_export import MegatronWeightSource
+    from gspo_megatron.megatron.weight_export import MegatronWeightSource
+    from gspo_megatron.rollout.embedded.generator import GeneratorProcessEngine
 
     source = MegatronWeightSource.from_engine(engine)
     settings, rope = generator_settings(cfg, engine, record_routes)
@@ -257,8 +257,8 @@ def generator_settings(cfg: RunConfig, engine, record_routes: bool):
     import torch
 
     from gspo_megatron.device import accelerator
-    from gspo_megatron.rollout.decoders import decoder_spec, torch_decoder_math_unsupported
-    from gspo_megatron.rollout.generator import GeneratorSettings
+    from gspo_megatron.rollout.embedded.decoders import decoder_spec, torch_decoder_math_unsupported
+    from gspo_megatron.rollout.embedded.generator import GeneratorSettings
 
     model = engine.unwrapped_chunks[0]
     reason = torch_decoder_math_unsupported(model, engine.config)

@@ -191,7 +191,7 @@ class RolloutSection:
     mode: sync (generate, then train) | one_step_off (batch k+1 generates while batch k trains,
     with the weights from before step k) | async (queue_batches batches generate ahead, taking
     new weights between any two tokens: partial rollouts). One_step_off and async run the
-    embedded engine in a generator process of its own (gspo_megatron/rollout/generator.py);
+    embedded engine in a generator process of its own (gspo_megatron/rollout/embedded/generator.py);
     SGLang servers generate the batches ahead, a weight update aborting (async) or waiting for
     (one_step_off) the requests running.
     max_staleness: no trained token was sampled by weights more than this many versions older

@@ -121,7 +121,7 @@ class Evaluation:
             raise ConfigError("nothing to evaluate: no benchmark has problems")
         self.rollout = self.engine = self.episodes = None
         parallel.initialize(layout, seed=cfg.seed)
-        from gspo_megatron.megatron.engine import TrainingEngine
+        from gspo_megatron.megatron.training_engine import TrainingEngine
 
         self.engine = TrainingEngine(model, layout, cfg.engine, trainable=False)
         init_weights(self.engine, cfg.model.init_from)
@@ -141,7 +141,7 @@ class Evaluation:
 
     def run(self, out_dir: Path) -> dict[str, dict[str, float]]:
         from gspo_megatron.evaluation.benchmarks import run_benchmark, write_records
-        from gspo_megatron.rollout.engine import response_text
+        from gspo_megatron.rollout.base import response_text
         from gspo_megatron.run_files import note, write_atomically
 
         stop = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)

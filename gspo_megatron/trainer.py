@@ -37,8 +37,7 @@ from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
 from gspo_megatron.evaluation.benchmarks import Benchmark, run_benchmark
 from gspo_megatron.ranks import Ranks
-from gspo_megatron.rollout.driver import RolloutDriver
-from gspo_megatron.rollout.engine import (
+from gspo_megatron.rollout.base import (
     RolloutEngine,
     RolloutSample,
     RolloutUnavailableError,
@@ -46,6 +45,7 @@ from gspo_megatron.rollout.engine import (
     WeightSource,
     response_text,
 )
+from gspo_megatron.rollout.driver import RolloutDriver
 from gspo_megatron.rollout.episodes import EpisodeRunner, episode_rewards
 from gspo_megatron.rollout.pipeline import RolloutPipeline
 from gspo_megatron.run_files import note
@@ -76,7 +76,7 @@ class Trainer:
 
     engine / reference: `train_step`, `forward`, `layout.dp`, `model_config.is_moe`,
         `current_lr()`, `close()`, and `offload` / `reload` with trainer.offload_during_rollout
-        (gspo_megatron.megatron.engine.TrainingEngine).
+        (gspo_megatron.megatron.training_engine.TrainingEngine).
     critic: PPO's value model with algorithm.advantage=gae (`forward` -> values,
         `train_value_step`, `close`, `offload` / `reload`); saved with the policy.
     reward_model: a learned reward model with reward.model_path (`score(prompts, responses)`,

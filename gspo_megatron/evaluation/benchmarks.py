@@ -23,7 +23,7 @@ from gspo_megatron.evaluation.metrics import benchmark_metrics
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rewards.registry import build_scorer
 from gspo_megatron.rewards.scorer import RewardScorer
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams
+from gspo_megatron.rollout.base import RolloutSample, SamplingParams
 
 # (problems, n, params) -> n responses per problem, on every rank.
 Generate = Callable[[list[Prompt], int, SamplingParams], list[list[RolloutSample]]]

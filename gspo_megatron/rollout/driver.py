@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gspo_megatron.ranks import Ranks
-from gspo_megatron.rollout.engine import (
+from gspo_megatron.rollout.base import (
     RolloutEngine,
     RolloutSample,
     RolloutUnavailableError,

@@ -14,7 +14,7 @@ from gspo_megatron.data.tokenizer import load_tokenizer
 from gspo_megatron.evaluation.benchmarks import build_benchmarks, run_benchmark
 from gspo_megatron.ranks import SingleRank
 from gspo_megatron.rewards.registry import build_scorer
-from gspo_megatron.rollout.engine import EpisodeRecord, RolloutSample
+from gspo_megatron.rollout.base import EpisodeRecord, RolloutSample
 
 
 @pytest.fixture(scope="module")

@@ -53,10 +53,10 @@ from gspo_megatron.megatron import cpu_compat
 cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import TrainingEngine
-from gspo_megatron.rollout.embedded import EmbeddedEngine
-from gspo_megatron.rollout.engine import SamplingParams
-from gspo_megatron.rollout.weight_export import MegatronWeightSource, export_shape
+from gspo_megatron.megatron.training_engine import TrainingEngine
+from gspo_megatron.megatron.weight_export import MegatronWeightSource, export_shape
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import ModelConfig, load_preset

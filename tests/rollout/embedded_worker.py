@@ -32,9 +32,9 @@ from layout_text import parse_layout
 
 from gspo_megatron.envs.base import Environment, StepResult
 from gspo_megatron.megatron import parallel
-from gspo_megatron.megatron.engine import TrainingEngine
-from gspo_megatron.rollout.embedded import EmbeddedEngine
-from gspo_megatron.rollout.engine import RolloutEngine, SamplingParams
+from gspo_megatron.megatron.training_engine import TrainingEngine
+from gspo_megatron.rollout.base import RolloutEngine, SamplingParams
+from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset

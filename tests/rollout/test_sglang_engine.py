@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from gspo_megatron.ranks import SingleRank
+from gspo_megatron.rollout.base import RolloutEngine, RolloutUnavailableError, SamplingParams
 from gspo_megatron.rollout.driver import RolloutDriver
-from gspo_megatron.rollout.engine import RolloutEngine, RolloutUnavailableError, SamplingParams
 from gspo_megatron.rollout.sglang import (
     ServerLaunchConfig,
     SGLangEngine,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from gspo_megatron.rollout.engine import SamplingParams
+from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.sglang import (
     ServerLaunchConfig,
     SGLangEngineConfig,

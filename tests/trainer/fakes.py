@@ -30,7 +30,7 @@ from gspo_megatron import CONF_DIR
 from gspo_megatron.algorithms.gae import value_loss_terms
 from gspo_megatron.algorithms.losses import policy_loss
 from gspo_megatron.algorithms.metrics import finalize_metrics
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams
+from gspo_megatron.rollout.base import RolloutSample, SamplingParams
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.sample import TrainSample, validate_samples
 

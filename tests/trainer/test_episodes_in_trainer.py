@@ -10,7 +10,7 @@ from trainer.fakes import SMALL, build_fake_run
 from trainer.test_trainer_options import AGGREGATION, check_losses
 
 from gspo_megatron.rewards.synthetic import partial_credit
-from gspo_megatron.rollout.engine import EpisodeRecord, RolloutSample
+from gspo_megatron.rollout.base import EpisodeRecord, RolloutSample
 from gspo_megatron.trainer import RolloutBatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")

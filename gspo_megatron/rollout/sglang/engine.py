@@ -26,7 +26,7 @@ import torch
 
 from gspo_megatron.event_loop import LoopThread
 from gspo_megatron.network import free_port
-from gspo_megatron.rollout.engine import (
+from gspo_megatron.rollout.base import (
     FinishReason,
     JobStats,
     RolloutSample,

@@ -141,7 +141,7 @@ class RolloutEngine(Protocol):
     servers, the generator process), driven by rank 0 (the trainer shares the samples), which
     also offer `start_generate`, `servers_to_resync`, `update_weights(..., urls=)`,
     `resync_poll_s` and `fault_metrics` (gspo_megatron/rollout/driver.py,
-    gspo_megatron/rollout/sglang/engine.py, gspo_megatron/rollout/generator.py).
+    gspo_megatron/rollout/sglang/engine.py, gspo_megatron/rollout/embedded/generator.py).
     """
 
     generates_on_every_rank: bool

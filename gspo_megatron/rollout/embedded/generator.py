@@ -2,7 +2,7 @@
 
 `rollout.mode=one_step_off` or `async` with `rollout.engine=embedded`. Rank 0 starts one process
 (spawned: no CUDA state or gloo threads are inherited) that holds the policy's Hugging
-Face-named weights and generates with `TorchDecoder` (gspo_megatron/rollout/torch_decoder.py)
+Face-named weights and generates with `TorchDecoder` (rollout/embedded/torch_decoder.py)
 while the trainer trains. Like a rollout server, it takes its weights from the trainer's
 `WeightSource`, so every training layout feeds it; unlike one, the weights cross in shared
 memory:
@@ -34,16 +34,20 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.rollout.batching import GenerationBatch, make_sequences, plan_batches
-from gspo_megatron.rollout.engine import (
+from gspo_megatron.rollout.base import (
     JobStats,
     RolloutSample,
     RolloutUnavailableError,
     SamplingParams,
     WeightSource,
 )
-from gspo_megatron.rollout.sampling import sequence_seed
-from gspo_megatron.rollout.torch_decoder import DecoderSpec, TorchDecoder, hf_decoder_weights
+from gspo_megatron.rollout.embedded.batching import GenerationBatch, make_sequences, plan_batches
+from gspo_megatron.rollout.embedded.sampling import sequence_seed
+from gspo_megatron.rollout.embedded.torch_decoder import (
+    DecoderSpec,
+    TorchDecoder,
+    hf_decoder_weights,
+)
 from gspo_megatron.spec.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
