@@ -107,7 +107,8 @@ def main() -> int:
     sys.path.insert(0, str(REPO / "tests" / "rollout"))
     from sglang_test_server import start_fake_server
 
-    from gspo_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
+    from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
+    from gspo_megatron.rollout.sglang.engine import SGLangEngine
 
     server = start_fake_server(routed_experts=False)
     try:

@@ -41,8 +41,6 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         cfg, tokenizer, eval_data, scorer, vocab_size=model.vocab_size, seed=cfg.seed
     )
     _warn_about_memory(cfg, model, layout)
-    if cfg.rollout.engine == "sglang":
-        sglang_config(cfg)  # its errors before the model is built
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
@@ -231,12 +229,12 @@ def build_rollout(cfg: RunConfig, engine):
             None,
         )
     from gspo_megatron.megatron.weight_export import MegatronWeightSource
-    from gspo_megatron.rollout.sglang import SGLangEngine
+    from gspo_megatron.rollout.sglang.engine import SGLangEngine
 
     source = MegatronWeightSource.from_engine(engine)
     # Rank 0, the weights' sender, launches and drives the servers (rollout/driver.py).
-    engine_cfg, leader = sglang_config(cfg), source.is_sender()
-    return SGLangEngine(engine_cfg, leader=leader, partial_rollouts=r.mode == "async"), source
+    leader = source.is_sender()
+    return SGLangEngine(r.sglang, leader=leader, partial_rollouts=r.mode == "async"), source
 
 
 def build_generator_process(cfg: RunConfig, engine, record_routes: bool):
@@ -281,28 +279,3 @@ def generator_settings(cfg: RunConfig, engine, record_routes: bool):
         device=str(accelerator()) if torch.cuda.is_available() else "cpu",
     )
     return settings, model.rotary_pos_emb.get_emb(max_length)[:, 0, 0, :].cpu()
-
-
-def sglang_config(cfg: RunConfig):
-    """rollout.sglang as an SGLangEngineConfig; a bad key or value is a ConfigError."""
-    from gspo_megatron.rollout.sglang import ServerLaunchConfig, SGLangEngineConfig
-
-    values = dict(cfg.rollout.sglang)
-    try:
-        values["launch"] = [ServerLaunchConfig(**entry) for entry in values.get("launch", [])]
-        engine_cfg = SGLangEngineConfig(**values)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"rollout.sglang: {err}") from err
-    mode = cfg.rollout.mode
-    if mode != "sync" and engine_cfg.weight_sync == "tensor":
-        raise ConfigError(
-            f"rollout.sglang.weight_sync=tensor with rollout.mode={mode}: tensor mode is for "
-            "servers colocated with the trainer on its GPUs, where generation and training take "
-            "turns; overlapping them needs servers of their own (weight_sync=distributed or disk)"
-        )
-    if mode != "sync" and engine_cfg.offload_after_generate:
-        raise ConfigError(
-            f"rollout.sglang.offload_after_generate with rollout.mode={mode}: batches generate "
-            "while others are queued, so the servers' memory cannot leave after each one"
-        )
-    return engine_cfg

@@ -23,6 +23,7 @@ from gspo_megatron.data.tokenizer import CHAR_TOKENIZER_NAMES
 from gspo_megatron.envs.registry import EnvConfig
 from gspo_megatron.evaluation.config import REWARD_KEYS, EvalConfig
 from gspo_megatron.rewards.registry import RewardConfig
+from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
@@ -30,6 +31,12 @@ from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key and what to change."""
+
+
+def open_in_hydra(factory) -> Any:
+    """A section Hydra composes as a plain mapping, so that `+section.key=value` adds a key as
+    it always has; `resolve` builds the dataclass and checks its keys, naming them."""
+    return field(default_factory=factory, metadata={"open_in_hydra": True})
 
 
 @dataclass
@@ -186,8 +193,8 @@ class RolloutSection:
 
     engine: embedded (in-process, default) | sglang. prompts_per_step × group_size responses
     per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens (evaluation's
-    sampling is the `eval` section's). sglang: keyword arguments of
-    gspo_megatron.rollout.sglang.SGLangEngineConfig.
+    sampling is the `eval` section's). sglang: the SGLang engine's section
+    (gspo_megatron/rollout/sglang/config.py, SGLangEngineConfig), read with rollout.engine=sglang.
     mode: sync (generate, then train) | one_step_off (batch k+1 generates while batch k trains,
     with the weights from before step k) | async (queue_batches batches generate ahead, taking
     new weights between any two tokens: partial rollouts). One_step_off and async run the
@@ -212,7 +219,7 @@ class RolloutSection:
     top_k: int = bounded(-1, ge=1, special=(-1,))
     max_new_tokens: int = bounded(4, ge=1)
     max_batch_tokens: int = bounded(16384, ge=1)
-    sglang: dict[str, Any] = field(default_factory=dict)
+    sglang: SGLangEngineConfig = open_in_hydra(SGLangEngineConfig)
 
 
 @dataclass
@@ -344,10 +351,14 @@ def register_schema() -> None:
     """Store these dataclasses in Hydra's ConfigStore as `gspo_config`, the node conf/config.yaml
     starts from (call before composing). The model section is a plain mapping there: its keys
     are a preset's ModelConfig fields, checked by `resolve`; so are mappings of sections
-    (eval.benchmarks), so that a new entry can be given whole on the command line."""
+    (eval.benchmarks), so that a new entry can be given whole on the command line, and the
+    sections marked `open_in_hydra` (rollout.sglang)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="gspo_config", node=_hydra_schema(RunConfig))
+
+
+_MAPPING = {"mapping": True}  # a field of a Hydra schema that is a plain mapping
 
 
 def _hydra_schema(cls) -> type:
@@ -357,10 +368,12 @@ def _hydra_schema(cls) -> type:
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         args = typing.get_args(hint)
-        if (cls is RunConfig and f.name == "model") or (
-            typing.get_origin(hint) is dict and args and dataclasses.is_dataclass(args[1])
+        if (
+            (cls is RunConfig and f.name == "model")
+            or f.metadata.get("open_in_hydra")
+            or (typing.get_origin(hint) is dict and args and dataclasses.is_dataclass(args[1]))
         ):
-            fields.append((f.name, dict[str, Any], field(default_factory=dict)))
+            fields.append((f.name, dict[str, Any], field(default_factory=dict, metadata=_MAPPING)))
         elif dataclasses.is_dataclass(hint) and (schema := _hydra_schema(hint)) is not hint:
             fields.append((f.name, schema, field(default_factory=_as_schema(f, schema))))
         else:
@@ -375,7 +388,12 @@ def _as_schema(f: dataclasses.Field, schema: type):
 
     def make():
         default = f.default_factory()
-        return schema(**{g.name: getattr(default, g.name) for g in dataclasses.fields(default)})
+        return schema(
+            **{
+                g.name: {} if g.metadata.get("mapping") else getattr(default, g.name)
+                for g in dataclasses.fields(schema)
+            }
+        )
 
     return make
 
@@ -408,12 +426,13 @@ def resolve(
     raw: dict[str, Any],
     world_size: int = 1,
     *,
-    check_paths: bool = True,
+    check_inputs: bool = True,
     for_training: bool = True,
 ) -> tuple[RunConfig, ModelConfig, ParallelLayout]:
     """Composed config dict -> validated RunConfig, ModelConfig and ParallelLayout.
 
-    check_paths: the input files the config names must exist (off for dry runs elsewhere).
+    check_inputs: what the run needs from outside must be here: the input files the config
+    names, SGLang servers (off for dry runs elsewhere).
     for_training: training prompts are needed (gspo-eval needs none).
     """
     raw = dict(raw)
@@ -457,7 +476,7 @@ def resolve(
     except ValueError as err:
         raise ConfigError(str(err)) from err
     _check(cfg, model, layout)
-    if check_paths and (missing := missing_paths(cfg)):
+    if check_inputs and (missing := missing_inputs(cfg)):
         raise ConfigError(missing[0])
     return cfg, model, layout
 
@@ -507,8 +526,9 @@ def _check_layout_fits(layout: ParallelLayout, model: ModelConfig, cfg: RunConfi
     layout.check_sequence_length(cfg.engine.max_sequence_length)
 
 
-def missing_paths(cfg: RunConfig) -> list[str]:
-    """Input files named by the config that do not exist here."""
+def missing_inputs(cfg: RunConfig) -> list[str]:
+    """What the run needs from outside that is not here: input files named by the config that
+    do not exist, and the SGLang servers when none are given."""
     from pathlib import Path
 
     out = []
@@ -529,6 +549,13 @@ def missing_paths(cfg: RunConfig) -> list[str]:
         for path in bench.files:
             if not Path(path).exists():
                 out.append(f"eval.benchmarks.{name}.files entry {path} does not exist")
+    if cfg.rollout.engine == "sglang" and not (
+        cfg.rollout.sglang.urls or cfg.rollout.sglang.launch
+    ):
+        out.append(
+            "rollout.sglang.urls: give server URLs to attach to (or servers to launch: "
+            "rollout.sglang.launch)"
+        )
     return out
 
 
@@ -555,15 +582,6 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         )
     if alg.routing_replay != "off" and not model.is_moe:
         raise ConfigError("algorithm.routing_replay needs a Mixture-of-Experts model")
-    if (
-        alg.routing_replay == "r3"
-        and rollout.engine == "sglang"
-        and not rollout.sglang.get("return_routed_experts", False)
-    ):
-        raise ConfigError(
-            "algorithm.routing_replay=r3 with SGLang needs "
-            "rollout.sglang.return_routed_experts=true"
-        )
     engine = cfg.engine
     if engine.max_tokens_per_microbatch < engine.max_sequence_length:
         raise ConfigError(
@@ -584,6 +602,8 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
     _check_critic(cfg)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
+    if rollout.engine == "sglang":
+        _check_sglang(cfg)
     _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
         alg.overlong_penalty_length
@@ -629,6 +649,30 @@ def _check_rollout_mode(cfg: RunConfig) -> None:
             f"algorithm.dynamic_sampling=dapo with rollout.mode={mode}: its refill rounds need "
             "the step's rewards first (a synchronous round trip each) and would draw prompts "
             "out of order with the batches generated ahead; use dupo or none"
+        )
+
+
+def _check_sglang(cfg: RunConfig) -> None:
+    sglang, mode = cfg.rollout.sglang, cfg.rollout.mode
+    try:
+        sglang.validate(servers=False)  # servers: missing_inputs
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if cfg.algorithm.routing_replay == "r3" and not sglang.return_routed_experts:
+        raise ConfigError(
+            "algorithm.routing_replay=r3 with SGLang needs "
+            "rollout.sglang.return_routed_experts=true"
+        )
+    if mode != "sync" and sglang.weight_sync == "tensor":
+        raise ConfigError(
+            f"rollout.sglang.weight_sync=tensor with rollout.mode={mode}: tensor mode is for "
+            "servers colocated with the trainer on its GPUs, where generation and training take "
+            "turns; overlapping them needs servers of their own (weight_sync=distributed or disk)"
+        )
+    if mode != "sync" and sglang.offload_after_generate:
+        raise ConfigError(
+            f"rollout.sglang.offload_after_generate with rollout.mode={mode}: batches generate "
+            "while others are queued, so the servers' memory cannot leave after each one"
         )
 
 
@@ -736,6 +780,10 @@ def _build(cls, raw: Any, path: str):
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
         raise ConfigError(f"unknown config key {where}")
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in raw:
+            raise ConfigError(f"{path}.{f.name} is required" if path else f"{f.name} is required")
     values = {}
     for name, value in raw.items():
         hint = hints[name]
@@ -759,6 +807,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin in (list, tuple) or hint in (list, tuple):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key} must be a list, got {value!r}")
+        if args and dataclasses.is_dataclass(args[0]):
+            return [_build(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
         return list(value)
     if origin is dict or hint is dict:
         if not isinstance(value, dict):

@@ -648,15 +648,10 @@ def rollout_share_from_config(rollout: Any) -> RolloutShare:
     """Colocated or not, from rollout.engine and rollout.sglang."""
     if rollout.engine == "embedded":
         return RolloutShare(mode="embedded", max_batch_tokens=rollout.max_batch_tokens)
-    sglang = rollout.sglang or {}
-    launch = sglang.get("launch") or []
-    if not launch:  # attached to servers: on their own GPUs (disaggregated)
+    sglang = rollout.sglang
+    if not sglang.launch:  # attached to servers: on their own GPUs (disaggregated)
         return RolloutShare(mode="none")
-    fractions = [
-        (entry or {}).get("mem_fraction_static") or SGLANG_DEFAULT_MEM_FRACTION for entry in launch
-    ]
+    fractions = [lc.mem_fraction_static or SGLANG_DEFAULT_MEM_FRACTION for lc in sglang.launch]
     return RolloutShare(
-        mode="sglang",
-        mem_fraction=max(fractions),
-        offload=bool(sglang.get("offload_after_generate", False)),
+        mode="sglang", mem_fraction=max(fractions), offload=sglang.offload_after_generate
     )

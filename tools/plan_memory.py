@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     world = args.nodes * args.gpus_per_node
     try:
         # A plan reads no input file: they need not exist on the machine that plans.
-        run_cfg, model, layout = resolve(compose(args.overrides), world, check_paths=False)
+        run_cfg, model, layout = resolve(compose(args.overrides), world, check_inputs=False)
         settings = settings_from_config(
             run_cfg,
             model,

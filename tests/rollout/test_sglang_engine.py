@@ -16,10 +16,9 @@ import torch
 from gspo_megatron.ranks import SingleRank
 from gspo_megatron.rollout.base import RolloutEngine, RolloutUnavailableError, SamplingParams
 from gspo_megatron.rollout.driver import RolloutDriver
-from gspo_megatron.rollout.sglang import (
-    ServerLaunchConfig,
-    SGLangEngine,
-    SGLangEngineConfig,
+from gspo_megatron.rollout.sglang.config import ServerLaunchConfig, SGLangEngineConfig
+from gspo_megatron.rollout.sglang.engine import SGLangEngine
+from gspo_megatron.rollout.sglang.protocol import (
     SGLangError,
     SGLangHTTPError,
     SGLangProtocolError,

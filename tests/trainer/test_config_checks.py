@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 from trainer.fakes import ConfigComposer
 
 from gspo_megatron.config import ConfigError, compose, resolve
@@ -131,7 +132,14 @@ def test_every_constrained_field_is_refused_naming_its_own_key():
     for key, f in fields:
         override = f"{key}={_invalid(f)}"
         with pytest.raises(ConfigError) as err:
-            resolved(override)
+            if key.startswith("rollout.sglang."):
+                # A mapping in Hydra's schema (so `+rollout.sglang.KEY=...` adds keys): the value
+                # goes into the composed dict, typed as YAML would give it.
+                raw = COMPOSER.raw()
+                raw["rollout"]["sglang"][key.rsplit(".", 1)[1]] = yaml.safe_load(_invalid(f))
+                resolve(raw, 1)
+            else:
+                resolved(override)
         message = str(err.value)
         assert message.startswith(key), (override, message)
         for named in re.findall(KEY, message):
