@@ -210,72 +210,9 @@ def init_weights(engine, source: str) -> None:
     )
 
 
-def build_rollout(cfg: RunConfig, engine):
-    """The rollout engine and, for external engines, the weight source it syncs from."""
-    r = cfg.rollout
-    record_routes = cfg.algorithm.routing_replay == "r3"
-    if r.mode != "sync" and r.engine == "embedded":
-        return build_generator_process(cfg, engine, record_routes)
-    if r.engine == "embedded":
-        from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
+def build_rollout(cfg: RunConfig, policy):
+    """The rollout engine of rollout.engine's backend (rollout/backends.py) and the weight
+    source it syncs from (None when it shares the policy's weights)."""
+    from gspo_megatron.rollout.backends import rollout_backend
 
-        return (
-            EmbeddedEngine(
-                engine,
-                max_batch_tokens=r.max_batch_tokens,
-                record_routes=record_routes,
-                seed=cfg.seed,
-            ),
-            None,
-        )
-    from gspo_megatron.megatron.weight_export import MegatronWeightSource
-    from gspo_megatron.rollout.sglang.engine import SGLangEngine
-
-    source = MegatronWeightSource.from_engine(engine)
-    # Rank 0, the weights' sender, launches and drives the servers (rollout/driver.py).
-    leader = source.is_sender()
-    return SGLangEngine(r.sglang, leader=leader, partial_rollouts=r.mode == "async"), source
-
-
-def build_generator_process(cfg: RunConfig, engine, record_routes: bool):
-    """The embedded engine's asynchronous form (rollout.mode one_step_off / async) and the
-    weight source it copies from; rank 0 starts the process."""
-    from gspo_megatron.megatron.weight_export import MegatronWeightSource
-    from gspo_megatron.rollout.embedded.generator import GeneratorProcessEngine
-
-    source = MegatronWeightSource.from_engine(engine)
-    settings, rope = generator_settings(cfg, engine, record_routes)
-    dtype = engine.config.params_dtype
-    weights = {name: (shape, dtype) for name, shape in source.hf_shapes().items()}
-    return GeneratorProcessEngine(settings, weights, rope, leader=source.is_sender()), source
-
-
-def generator_settings(cfg: RunConfig, engine, record_routes: bool):
-    """The generator process's settings and the trainer's RoPE angles [positions, head dim]."""
-    import torch
-
-    from gspo_megatron.device import accelerator
-    from gspo_megatron.rollout.embedded.decoders import decoder_spec, torch_decoder_math_unsupported
-    from gspo_megatron.rollout.embedded.generator import GeneratorSettings
-
-    model = engine.unwrapped_chunks[0]
-    reason = torch_decoder_math_unsupported(model, engine.config)
-    if reason is not None:
-        raise ConfigError(
-            f"rollout.mode={cfg.rollout.mode}: the generator process cannot run this model "
-            f"({reason})"
-        )
-    model_config = engine.model_config
-    max_length = min(cfg.engine.max_sequence_length, model_config.max_position_embeddings)
-    settings = GeneratorSettings(
-        model=model_config,
-        spec=decoder_spec(model, engine.config, model_config.vocab_size),
-        max_batch_tokens=cfg.rollout.max_batch_tokens,
-        max_sequence_length=max_length,
-        record_routes=record_routes,
-        route_shape=(engine.config.num_layers, engine.config.moe_router_topk or 0),
-        partial=cfg.rollout.mode == "async",
-        seed=cfg.seed,
-        device=str(accelerator()) if torch.cuda.is_available() else "cpu",
-    )
-    return settings, model.rotary_pos_emb.get_emb(max_length)[:, 0, 0, :].cpu()
+    return rollout_backend(cfg.rollout.engine).build(cfg, policy)

@@ -17,20 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_megatron import CONF_DIR
-from gspo_megatron.config_fields import bounded, check_fields, choice
+from gspo_megatron.config_fields import ConfigError, bounded, check_fields, choice
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.data.tokenizer import CHAR_TOKENIZER_NAMES
 from gspo_megatron.envs.registry import EnvConfig
 from gspo_megatron.evaluation.config import REWARD_KEYS, EvalConfig
 from gspo_megatron.rewards.registry import RewardConfig
+from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key and what to change."""
 
 
 def open_in_hydra(factory) -> Any:
@@ -191,7 +188,8 @@ class CriticSection:
 class RolloutSection:
     """`rollout/`: how responses are generated.
 
-    engine: embedded (in-process, default) | sglang. prompts_per_step × group_size responses
+    engine: embedded (in-process, default) | sglang: a name in ROLLOUT_BACKENDS
+    (gspo_megatron/rollout/backends.py). prompts_per_step × group_size responses
     per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens (evaluation's
     sampling is the `eval` section's). sglang: the SGLang engine's section
     (gspo_megatron/rollout/sglang/config.py, SGLangEngineConfig), read with rollout.engine=sglang.
@@ -207,7 +205,7 @@ class RolloutSection:
     the loss the tokens a response sampled before its last weight swap.
     """
 
-    engine: str = choice("embedded", "sglang")
+    engine: str = "embedded"  # a name of rollout/backends.py's ROLLOUT_BACKENDS
     mode: str = choice("sync", "one_step_off", "async")
     max_staleness: int = bounded(1, ge=0)
     queue_batches: int = bounded(2, ge=1)
@@ -528,7 +526,7 @@ def _check_layout_fits(layout: ParallelLayout, model: ModelConfig, cfg: RunConfi
 
 def missing_inputs(cfg: RunConfig) -> list[str]:
     """What the run needs from outside that is not here: input files named by the config that
-    do not exist, and the SGLang servers when none are given."""
+    do not exist, and what the rollout backend needs (SGLang servers, when none are given)."""
     from pathlib import Path
 
     out = []
@@ -549,14 +547,7 @@ def missing_inputs(cfg: RunConfig) -> list[str]:
         for path in bench.files:
             if not Path(path).exists():
                 out.append(f"eval.benchmarks.{name}.files entry {path} does not exist")
-    if cfg.rollout.engine == "sglang" and not (
-        cfg.rollout.sglang.urls or cfg.rollout.sglang.launch
-    ):
-        out.append(
-            "rollout.sglang.urls: give server URLs to attach to (or servers to launch: "
-            "rollout.sglang.launch)"
-        )
-    return out
+    return out + rollout_backend(cfg.rollout.engine).missing_inputs(cfg)
 
 
 def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
@@ -602,8 +593,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
     _check_critic(cfg)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
-    if rollout.engine == "sglang":
-        _check_sglang(cfg)
+    rollout_backend(rollout.engine).check(cfg)
     _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
         alg.overlong_penalty_length
@@ -649,30 +639,6 @@ def _check_rollout_mode(cfg: RunConfig) -> None:
             f"algorithm.dynamic_sampling=dapo with rollout.mode={mode}: its refill rounds need "
             "the step's rewards first (a synchronous round trip each) and would draw prompts "
             "out of order with the batches generated ahead; use dupo or none"
-        )
-
-
-def _check_sglang(cfg: RunConfig) -> None:
-    sglang, mode = cfg.rollout.sglang, cfg.rollout.mode
-    try:
-        sglang.validate(servers=False)  # servers: missing_inputs
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    if cfg.algorithm.routing_replay == "r3" and not sglang.return_routed_experts:
-        raise ConfigError(
-            "algorithm.routing_replay=r3 with SGLang needs "
-            "rollout.sglang.return_routed_experts=true"
-        )
-    if mode != "sync" and sglang.weight_sync == "tensor":
-        raise ConfigError(
-            f"rollout.sglang.weight_sync=tensor with rollout.mode={mode}: tensor mode is for "
-            "servers colocated with the trainer on its GPUs, where generation and training take "
-            "turns; overlapping them needs servers of their own (weight_sync=distributed or disk)"
-        )
-    if mode != "sync" and sglang.offload_after_generate:
-        raise ConfigError(
-            f"rollout.sglang.offload_after_generate with rollout.mode={mode}: batches generate "
-            "while others are queued, so the servers' memory cannot leave after each one"
         )
 
 

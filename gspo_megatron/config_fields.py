@@ -15,6 +15,10 @@ import math
 from typing import Any
 
 
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and what to change."""
+
+
 def bounded(
     default: float | int,
     *,

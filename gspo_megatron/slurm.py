@@ -248,6 +248,7 @@ def preflight(
     """Compose + validate the config for nodes x gpus_per_node ranks; plan memory; check paths."""
     from gspo_megatron.config import ConfigError, compose, missing_inputs, resolve
     from gspo_megatron.memory_plan import PlanError, plan, settings_from_config
+    from gspo_megatron.rollout.backends import rollout_backend
 
     world = nodes * gpus_per_node
     lines = [f"allocation: {nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks"]
@@ -259,8 +260,8 @@ def preflight(
     except Exception as err:  # noqa: BLE001 - Hydra's composition errors (unknown group, syntax)
         return Preflight([*lines, f"error: config: {type(err).__name__}: {err}"], ok=False)
     lines.append(f"layout: {layout.describe()}")
-    if run_cfg.rollout.engine == "sglang":
-        lines.append(f"rollout: SGLang servers {run_cfg.rollout.sglang.urls or 'launched'}")
+    if line := rollout_backend(run_cfg.rollout.engine).describe(run_cfg):
+        lines.append(line)
     ok = True
     missing = missing_inputs(run_cfg)
     for path in missing:

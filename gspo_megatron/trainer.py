@@ -37,6 +37,7 @@ from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
 from gspo_megatron.evaluation.benchmarks import Benchmark, run_benchmark
 from gspo_megatron.ranks import Ranks
+from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.base import (
     RolloutEngine,
     RolloutSample,
@@ -241,8 +242,8 @@ class Trainer:
         what = self.cfg.trainer.offload_during_rollout
         if what == "none":
             return []
-        # The embedded rollout engine generates with the policy's weights.
-        engines = [(self.engine, what, self.cfg.rollout.engine == "embedded")]
+        keep = rollout_backend(self.cfg.rollout.engine).keeps_policy_weights
+        engines = [(self.engine, what, keep)]
         if self.critic is not None:
             engines.append((self.critic, what, False))
         if what == "all" and self.reference is not None:

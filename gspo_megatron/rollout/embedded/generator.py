@@ -85,7 +85,7 @@ class _Job:
 
 
 class GeneratorProcessEngine:
-    """A `RolloutEngine` whose generation runs in a process of its own, on rank 0.
+    """A `ServerRolloutEngine` whose generation runs in a process of its own, on rank 0.
 
     `weights` names every tensor the source streams, with its shape and dtype; `rope_table`
     holds the trainer's RoPE angles [max positions, head dim]. Every rank builds one (the
@@ -141,7 +141,7 @@ class GeneratorProcessEngine:
         self._reader.daemon = True
         self._reader.start()
 
-    # -- RolloutEngine ----------------------------------------------------------------------
+    # -- ServerRolloutEngine ----------------------------------------------------------------
 
     def start_generate(
         self,
@@ -216,18 +216,6 @@ class GeneratorProcessEngine:
 
     def fault_metrics(self) -> dict[str, float]:
         return {}
-
-    def pause(self) -> None:
-        """Generation pauses by itself between jobs (nothing queued)."""
-
-    def resume(self) -> None:
-        """See pause()."""
-
-    def flush_cache(self) -> None:
-        """No cache outlives a job."""
-
-    def health(self) -> bool:
-        return not self.leader or (not self._closed and self._process.is_alive())
 
     def close(self) -> None:
         if self._closed:

@@ -83,7 +83,8 @@ if TYPE_CHECKING:
 
 
 class EmbeddedEngine:
-    """A `RolloutEngine` that generates with the trainer's own megatron model (KV cache, batched).
+    """An `InProcessRolloutEngine` that generates with the trainer's own megatron model (KV
+    cache, batched).
 
     Call `generate` on every rank of the trainer with the same arguments; every rank returns the
     same samples. `max_batch_tokens` bounds the KV-cache slots of one batch (rows * (longest
@@ -139,11 +140,10 @@ class EmbeddedEngine:
         self._calls = 0
         # this rank's share of the last generate call (for logging)
         self.stats: dict[str, int] = {}
-        self._paused = False
         self._closed = False
         self.decoder = self._choose_decoder(backend)
 
-    # -- RolloutEngine ----------------------------------------------------------------------
+    # -- InProcessRolloutEngine -------------------------------------------------------------
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
@@ -151,8 +151,6 @@ class EmbeddedEngine:
         """`n` samples for each prompt, grouped per prompt in prompt order (on every rank)."""
         if self._closed:
             raise RuntimeError("generate() on a closed EmbeddedEngine")
-        if self._paused:
-            raise RuntimeError("generate() while the EmbeddedEngine is paused; call resume()")
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
         seed = params.seed
@@ -204,18 +202,6 @@ class EmbeddedEngine:
     def refresh_weights(self) -> bool:
         """The weights are the trainer's, which do not change while it generates."""
         return False
-
-    def pause(self) -> None:
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-
-    def flush_cache(self) -> None:
-        """No cache outlives a generate call."""
-
-    def health(self) -> bool:
-        return not self._closed
 
     def close(self) -> None:
         self._closed = True
