@@ -127,7 +127,7 @@ def write_prompts(path: Path, count: int, seed: int) -> None:
 
 
 def response_text(tok, ids: list[int]) -> str:
-    """What gspo-train's reward sees (Trainer.response_text): all but a final <eos>."""
+    """What gspo-train's reward sees (RolloutCollector.response_text): all but a final <eos>."""
     if ids and ids[-1] == tok.eos_token_id:
         ids = ids[:-1]
     return tok.decode(ids, skip_special_tokens=False)

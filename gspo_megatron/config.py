@@ -21,7 +21,7 @@ from gspo_megatron.config_fields import ConfigError, bounded, check_fields, choi
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.data.tokenizer import CHAR_TOKENIZER_NAMES
 from gspo_megatron.envs.registry import EnvConfig
-from gspo_megatron.evaluation.config import REWARD_KEYS, EvalConfig
+from gspo_megatron.evaluation.config import EvalConfig, benchmark_reading, benchmark_reward
 from gspo_megatron.rewards.registry import RewardConfig
 from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
@@ -467,8 +467,8 @@ def resolve(
         cfg.env.validate()
         cfg.eval.validate()
         for name, bench in cfg.eval.benchmarks.items():
-            benchmark_reward(cfg, bench, f"eval.benchmarks.{name}")
-            benchmark_reading(cfg, bench, f"eval.benchmarks.{name}")
+            benchmark_reward(cfg.reward, bench, f"eval.benchmarks.{name}")
+            benchmark_reading(cfg.data, bench, f"eval.benchmarks.{name}")
     except ConfigError:
         raise
     except ValueError as err:
@@ -477,41 +477,6 @@ def resolve(
     if check_inputs and (missing := missing_inputs(cfg)):
         raise ConfigError(missing[0])
     return cfg, model, layout
-
-
-def benchmark_reward(cfg: RunConfig, bench, key: str) -> RewardConfig:
-    """The reward section a benchmark scores with: the run's, with the benchmark's `reward`
-    keys over it and no learned reward model."""
-    if not bench.reward:
-        return cfg.reward
-    values = {k: getattr(cfg.reward, k) for k in REWARD_KEYS} | bench.reward
-    if "name" in bench.reward and "kwargs" not in bench.reward:
-        values["kwargs"] = {}  # another reward does not take the run's reward's arguments
-    reward = RewardConfig(**values)
-    try:
-        reward.validate()
-    except ValueError as err:
-        raise ConfigError(str(err).replace("reward.", f"{key}.reward.")) from err
-    return reward
-
-
-def benchmark_reading(cfg: RunConfig, bench, key: str) -> DataConfig:
-    """How a benchmark's files are read: the data section with the benchmark's `data` keys over
-    it. A benchmark's rows must all be scored, so a bad row stops loading unless its own
-    data.on_error says skip; and it needs labels."""
-    values = {"on_error": "raise"} | bench.data
-    try:
-        reading = dataclasses.replace(cfg.data, **values)
-    except TypeError as err:
-        raise ConfigError(f"{key}.data: {err}") from err
-    problems = check_fields(reading, f"{key}.data")
-    if problems:
-        raise ConfigError(problems[0])
-    if reading.label_key is None:
-        raise ConfigError(
-            f"{key}.data.label_key is null: a benchmark's problems need labels to be scored"
-        )
-    return reading
 
 
 def _check_layout_fits(layout: ParallelLayout, model: ModelConfig, cfg: RunConfig) -> None:
