@@ -91,7 +91,9 @@ def check_run_directory(run_dir: Path, cfg: RunConfig) -> None:
                 f"{run_dir} holds a run with a different config ({', '.join(differences[:5])}); "
                 "use a new output directory, or set trainer.allow_different_config=true"
             )
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    # One writer: rank 0 (the process groups do not exist yet here; torchrun sets RANK).
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         write_atomically(config_file, json.dumps(mine, indent=2, sort_keys=True))
 
 
@@ -366,8 +368,9 @@ class MetricsLogger:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """`text` in a temporary file renamed into place: a kill leaves the old file or the new."""
-    tmp = path.with_name(path.name + ".tmp")
+    """`text` in a temporary file renamed into place: a kill leaves the old file or the new.
+    The temporary name is this process's, so that two writers never rename each other's."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()

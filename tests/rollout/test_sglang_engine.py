@@ -14,12 +14,11 @@ import pytest
 import torch
 
 from gspo_megatron.ranks import SingleRank
+from gspo_megatron.rollout.base import RolloutUnavailableError, SamplingParams, ServerRolloutEngine
 from gspo_megatron.rollout.driver import RolloutDriver
-from gspo_megatron.rollout.engine import RolloutEngine, RolloutUnavailableError, SamplingParams
-from gspo_megatron.rollout.sglang import (
-    ServerLaunchConfig,
-    SGLangEngine,
-    SGLangEngineConfig,
+from gspo_megatron.rollout.sglang.config import ServerLaunchConfig, SGLangEngineConfig
+from gspo_megatron.rollout.sglang.engine import SGLangEngine
+from gspo_megatron.rollout.sglang.protocol import (
     SGLangError,
     SGLangHTTPError,
     SGLangProtocolError,
@@ -139,7 +138,7 @@ def test_generate_parses_ids_logprobs_finish_and_routed_experts(server):
     params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_new_tokens=6, seed=100)
     with make_engine([server.url], return_routed_experts=True, routed_experts_layers=2,
                      routed_experts_top_k=2, samples_per_request=4) as eng:  # fmt: skip
-        assert isinstance(eng, RolloutEngine)
+        assert isinstance(eng, ServerRolloutEngine)
         groups = eng.generate(prompts, 3, params)
     assert [len(g) for g in groups] == [3, 3, 3]
     seeds = []

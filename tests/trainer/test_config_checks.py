@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 from trainer.fakes import ConfigComposer
 
 from gspo_megatron.config import ConfigError, compose, resolve
@@ -153,7 +154,14 @@ def test_every_constrained_field_is_refused_naming_its_own_key():
     for key, f in fields:
         override = f"{key}={_invalid(f)}"
         with pytest.raises(ConfigError) as err:
-            resolved(override)
+            if key.startswith("rollout.sglang."):
+                # A mapping in Hydra's schema (so `+rollout.sglang.KEY=...` adds keys): the value
+                # goes into the composed dict, typed as YAML would give it.
+                raw = COMPOSER.raw()
+                raw["rollout"]["sglang"][key.rsplit(".", 1)[1]] = yaml.safe_load(_invalid(f))
+                resolve(raw, 1)
+            else:
+                resolved(override)
         message = str(err.value)
         assert message.startswith(key), (override, message)
         for named in re.findall(KEY, message):
@@ -173,7 +181,8 @@ def test_every_key_in_a_config_message_exists():
     raw = compose(["algorithm.mismatch=tis"])  # any valid config: the keys are the same
     package = Path(gspo_megatron.__file__).parent
     sources = ["config.py", "data/config.py", "rewards/registry.py", "envs/registry.py",
-               "spec/training.py",
+               "spec/training.py", "rollout/backends.py", "rollout/sglang/backend.py",
+               "rollout/sglang/config.py", "rollout/embedded/backend.py",
                "memory_plan.py", "run_health.py", "components.py", "evaluation/config.py",
                "evaluation/benchmarks.py", "evaluate.py"]  # fmt: skip
     named = set()

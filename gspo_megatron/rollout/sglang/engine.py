@@ -26,7 +26,7 @@ import torch
 
 from gspo_megatron.event_loop import LoopThread
 from gspo_megatron.network import free_port
-from gspo_megatron.rollout.engine import (
+from gspo_megatron.rollout.base import (
     FinishReason,
     JobStats,
     RolloutSample,
@@ -35,11 +35,8 @@ from gspo_megatron.rollout.engine import (
 )
 from gspo_megatron.rollout.sglang import weight_sync as ws
 from gspo_megatron.rollout.sglang.client import NO_RETRY, RetryPolicy, SGLangClient, normalize_url
-from gspo_megatron.rollout.sglang.launcher import (
-    ServerLaunchConfig,
-    SGLangServerProcess,
-    wait_until_healthy,
-)
+from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
+from gspo_megatron.rollout.sglang.launcher import SGLangServerProcess, wait_until_healthy
 from gspo_megatron.rollout.sglang.protocol import (
     GenerateOutput,
     SGLangConnectionError,
@@ -58,113 +55,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-WEIGHT_SYNC_MODES = ("tensor", "distributed", "disk")
-PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-@dataclass
-class SGLangEngineConfig:
-    """Everything the SGLang engine needs (Hydra-friendly: plain types, lists, no Literals)."""
-
-    # Servers. `urls`: running SGLang servers to attach to (also the targets of weight sync and
-    # control calls); `launch`: servers to start here (their URLs are added to `urls`);
-    # `router_url`: an sglang-router in front of the servers, used for /generate only.
-    urls: list[str] = field(default_factory=list)
-    launch: list[ServerLaunchConfig] = field(default_factory=list)
-    router_url: str | None = None
-    api_key: str | None = None
-    health_timeout_s: float = 900.0  # launch/attach: wait this long for GET /health == 200
-    log_dir: str = "sglang_logs"  # launched servers' stdout/stderr
-
-    # Generation.
-    samples_per_request: int = 32  # batch entries per /generate request
-    max_concurrency: int = 64  # requests in flight over all servers
-    request_timeout_s: float = 1800.0  # one /generate request, however long its samples
-    # A server that answers no /health for this long while generating is hung or gone: its
-    # requests fail at once, naming it, instead of after request_timeout_s (0: no check).
-    liveness_timeout_s: float = 60.0
-    # Failures (docs/SGLANG.md): a /generate request that fails on a server (connection lost,
-    # 5xx after max_retries, liveness deadline, an answer from other weights) is resubmitted to
-    # a healthy server with the same seeds, at most max_resubmits times.
-    max_resubmits: int = 8
-    health_check_interval_s: float = 10.0  # every server's /health, and waits for one
-    restart_after_s: float = 60.0  # a launched server with no /health this long is restarted
-    max_restarts: int = 5  # per launched server over the run; then it stays out of service
-    recovery_timeout_s: float = 900.0  # generation waits this long for any server, then fails
-    connect_timeout_s: float = 10.0
-    max_retries: int = 3  # on connection errors and 5xx, with exponential backoff
-    backoff_s: float = 0.5
-    backoff_max_s: float = 8.0
-    seed: int | None = None  # seeds the per-call seed base when SamplingParams.seed is None
-    return_routed_experts: bool = False  # needs --enable-return-routed-experts on the servers
-    routed_experts_layers: int | None = None  # the model's num_hidden_layers
-    routed_experts_top_k: int | None = None  # the model's num_experts_per_tok
-    pause_mode: str = "abort"  # /pause_generation mode: abort | retract | in_place
-
-    # Weight sync: tensor (colocated) | distributed (disaggregated) | disk.
-    weight_sync: str = "disk"
-    bucket_bytes: int = 512 * 1024 * 1024
-    weight_update_timeout_s: float = 1800.0
-    # Colocated: free the servers' GPU memory after each generate() (needs enable_memory_saver);
-    # weights come back for the next update, KV cache and CUDA graphs for the next generate().
-    offload_after_generate: bool = False
-    # distributed mode: the trainer's sender is rank 0 of a group at master_address:master_port
-    # (0 = pick a free port); the servers must reach that address.
-    master_address: str = "127.0.0.1"
-    master_port: int = 0
-    group_backend: str = "nccl"
-    group_name: str = "gspo_weight_update"
-    # disk mode: where the sender writes HF safetensors (a filesystem the servers can read) and
-    # the model directory whose config/tokenizer files are copied next to them.
-    disk_dir: str | None = None
-    disk_base_model_path: str | None = None
-
-    def __post_init__(self) -> None:
-        def bad(key: str, msg: str) -> ValueError:
-            return ValueError(f"rollout.sglang.{key}: {msg}")
-
-        if self.weight_sync not in WEIGHT_SYNC_MODES:
-            raise bad(
-                "weight_sync", f"must be one of {WEIGHT_SYNC_MODES}, got {self.weight_sync!r}"
-            )
-        if self.pause_mode not in PAUSE_MODES:
-            raise bad("pause_mode", f"must be one of {PAUSE_MODES}, got {self.pause_mode!r}")
-        if not self.urls and not self.launch:
-            raise bad("urls", "give server URLs to attach to, or servers to launch")
-        for key in ("samples_per_request", "max_concurrency", "bucket_bytes"):
-            if getattr(self, key) < 1:
-                raise bad(key, f"must be >= 1, got {getattr(self, key)}")
-        for key in ("liveness_timeout_s", "max_resubmits", "max_restarts", "restart_after_s"):
-            if getattr(self, key) < 0:
-                raise bad(key, f"must be >= 0, got {getattr(self, key)}")
-        for key in ("health_check_interval_s", "recovery_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise bad(key, f"must be > 0, got {getattr(self, key)}")
-        if self.weight_sync == "disk" and not self.disk_dir:
-            raise bad("disk_dir", "weight_sync=disk needs a directory the servers can read")
-        if self.offload_after_generate:
-            for i, lc in enumerate(self.launch):
-                if not lc.enable_memory_saver:
-                    raise bad(
-                        f"launch[{i}].enable_memory_saver",
-                        "must be true when offload_after_generate is set",
-                    )
-        if self.weight_sync in ("tensor", "distributed"):
-            for i, lc in enumerate(self.launch):
-                if lc.dp_size != 1:
-                    raise bad(
-                        f"launch[{i}].dp_size",
-                        f"SGLang refuses {self.weight_sync} weight updates when dp_size > 1; "
-                        "launch one server per replica (several launch entries) with dp_size=1",
-                    )
-        if self.return_routed_experts:
-            for i, lc in enumerate(self.launch):
-                if not lc.enable_return_routed_experts:
-                    raise bad(
-                        f"launch[{i}].enable_return_routed_experts",
-                        "must be true when return_routed_experts is set",
-                    )
 
 
 async def _gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -262,6 +153,7 @@ class SGLangEngine:
     def __init__(
         self, cfg: SGLangEngineConfig, *, leader: bool = True, partial_rollouts: bool = False
     ) -> None:
+        cfg.validate()
         self.cfg = cfg
         self.leader = leader
         # rollout.mode=async: a weight update aborts the requests in flight (/pause_generation

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from gspo_megatron.rollout.engine import FinishReason, SamplingParams, WeightsNotLoadedError
+from gspo_megatron.rollout.base import FinishReason, SamplingParams, WeightsNotLoadedError
 
 _SEED_MOD = 2**63
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from gspo_megatron.rollout.engine import RolloutUnavailableError
+from gspo_megatron.rollout.base import RolloutUnavailableError
 from gspo_megatron.rollout.sglang.client import SGLangClient
 from gspo_megatron.rollout.sglang.launcher import SGLangServerProcess
 from gspo_megatron.rollout.sglang.protocol import SGLangError
