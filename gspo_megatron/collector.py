@@ -27,12 +27,14 @@ from gspo_megatron.algorithms import (
     rollout_metrics,
     soft_overlong_penalty,
 )
+from gspo_megatron.checkpoint.meta import CheckpointError
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.base import RolloutSample, SamplingParams, response_text
 from gspo_megatron.rollout.driver import RolloutDriver
 from gspo_megatron.rollout.episodes import EpisodeRunner, episode_rewards
+from gspo_megatron.rollout.inflight import InFlightError, from_payload, summary, to_payload
 from gspo_megatron.rollout.pipeline import RolloutPipeline
 from gspo_megatron.run_files import note
 from gspo_megatron.spec.sample import TrainSample
@@ -282,7 +284,10 @@ class RolloutCollector:
             scored = self.scorer.score(prompts, texts, labels)
             payload = (scored.rewards, scored.metrics(prefix="reward/"))
         payload = self.ranks.broadcast(payload)
-        rewards = torch.tensor(payload[0], dtype=torch.float32).view(len(batch.groups), -1)
+        # [groups, G]; a batch whose every group was dropped (the staleness bound) has none
+        rewards = torch.tensor(payload[0], dtype=torch.float32).view(
+            len(batch.groups), self.settings.group_size if not flat else -1
+        )
         stats = dict(payload[1])
         batch.failed_rewards = int(stats["reward/failures"] + stats["reward/timeouts"])
         if self.episodes is not None:
@@ -347,6 +352,48 @@ class RolloutCollector:
             self.pipeline.abandon()
         self.sampler.load_state_dict(sampler_state)
 
+    def in_flight(self) -> tuple[dict | None, dict | None]:
+        """The batches generated ahead, for a checkpoint (rollout/inflight.py): (the summary
+        every rank records, the file's content on rank 0). (None, None) when there are none.
+        Collective: the engine reports its progress to rank 0."""
+        if self.pipeline is None or not self.pipeline.ahead:
+            return None, None
+        batches = self.pipeline.in_flight()
+        payload = to_payload(batches) if self.ranks.rank == 0 else None
+        return self.ranks.broadcast(summary(batches) if self.ranks.rank == 0 else None), payload
+
+    def restore_in_flight(self, record: dict | None, read_file) -> None:
+        """After `rewind` to a checkpoint's sampler and the weight sync: continue the batches
+        that were in flight from the checkpoint's record (`read_file(name)`: the file's content,
+        called on rank 0). A record this run cannot use (another mode, other sampling settings,
+        other prompts) is said in one line, and those batches are generated again."""
+        if record is None:
+            return
+        count = len(record["steps"])
+        if self.pipeline is None:
+            note(
+                f"the checkpoint holds {count} batches generated ahead; rollout.mode=sync "
+                "generates each step's batch when it trains: their prompts are drawn again"
+            )
+            return
+        batches, problem = None, None
+        if self.ranks.rank == 0:
+            try:
+                batches = from_payload(read_file(record["file"]), record["file"])
+            except (InFlightError, CheckpointError) as err:
+                problem = str(err)
+        problem = self.ranks.broadcast(problem)
+        if problem is None:
+            problem = self.pipeline.restore(record["steps"], batches)
+        if problem is not None:
+            note(f"{count} batches in flight at the checkpoint are generated again: {problem}")
+            return
+        note(
+            f"continuing {count} batches in flight at the checkpoint: "
+            f"{record['complete_samples']} of {record['samples']} samples complete, "
+            f"{record['tokens']} tokens generated"
+        )
+
     def close(self) -> None:
         if self.episodes is not None:
             self.episodes.close()
@@ -380,8 +427,11 @@ def _concat(a: RolloutBatch, b: RolloutBatch) -> RolloutBatch:
 
 
 def _generation_metrics(generated: Sequence[RolloutBatch]) -> dict[str, float]:
-    """Rewards and lengths of everything generated this step (before any filtering)."""
+    """Rewards and lengths of everything generated this step (before any filtering); none when
+    every group was dropped (the staleness bound)."""
     flat = [s for b in generated for s in b.flat()]
+    if not flat:
+        return {"reward/failed_fraction": 0.0, "response/tokens": 0.0}
     rewards = torch.cat([b.rewards for b in generated])
     return {
         "reward/failed_fraction": sum(b.failed_rewards for b in generated) / max(len(flat), 1),

@@ -23,6 +23,10 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
 
     tokenizer = load_run_tokenizer(cfg)
     check_vocab(tokenizer, model.vocab_size)
+    if cfg.trainer.export_hf_every:
+        from gspo_megatron.megatron.hf_export import check_exportable
+
+        check_exportable(model, tokenizer)
     if cfg.reward.model_path:
         check_reward_model(cfg.reward.model_path, tokenizer)
     if cfg.critic.init_from:
@@ -59,6 +63,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
             cfg.reward.model_path, layout, cfg.engine, params_dtype=model.params_dtype
         )
     rollout, weight_source = build_rollout(cfg, engine)
+    exporter = build_exporter(cfg, engine, tokenizer) if cfg.trainer.export_hf_every else None
     ranks = ProcessGroupRanks()
     return Trainer(
         cfg,
@@ -76,7 +81,26 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         reference=reference,
         critic=critic,
         reward_model=reward_model,
+        exporter=exporter,
     )
+
+
+def build_exporter(cfg: RunConfig, engine, tokenizer):
+    """The checkpoints' Hugging Face export (trainer.export_hf_every), with the original
+    config.json's fields when model.init_from has one (an HF directory, or a converted
+    checkpoint's hf_files/)."""
+    import json
+
+    from gspo_megatron.checkpoint.convert import HF_FILES_DIR
+    from gspo_megatron.megatron.hf_export import HFExporter
+
+    base = None
+    if cfg.model.init_from:
+        for candidate in (Path(cfg.model.init_from), Path(cfg.model.init_from) / HF_FILES_DIR):
+            if (candidate / "config.json").is_file():
+                base = json.loads((candidate / "config.json").read_text())
+                break
+    return HFExporter(engine, tokenizer=tokenizer, base_config=base)
 
 
 def _warn_about_memory(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:

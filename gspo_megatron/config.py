@@ -205,6 +205,10 @@ class RolloutSection:
     than the ones that train on it (batches start only within the bound). queue_batches: how
     many batches async mode keeps submitted ahead. partial_rollout_mask: (async) leave out of
     the loss the tokens a response sampled before its last weight swap.
+    pin_versions: (async, embedded engine) sample each batch with one weight version, the
+    newest when it is submitted (or the bound's, if newer), instead of taking new weights between
+    tokens: which weights sample which batch no longer depends on timing, so a run, killed and
+    resumed or not, is deterministic; one_step_off always does (docs/ROLLOUT.md, "Checkpoints").
     """
 
     engine: str = "embedded"  # a name of rollout/backends.py's ROLLOUT_BACKENDS
@@ -212,6 +216,7 @@ class RolloutSection:
     max_staleness: int = bounded(1, ge=0)
     queue_batches: int = bounded(2, ge=1)
     partial_rollout_mask: bool = False
+    pin_versions: bool = False
     prompts_per_step: int = bounded(8, ge=1)
     group_size: int = bounded(16, ge=2)
     temperature: float = bounded(1.0, ge=0)
@@ -243,6 +248,12 @@ class TrainerSection:
     back before the old-policy forward. With the embedded rollout engine the weights stay
     (they generate); with SGLang they leave after the weight sync. The KL reference's weights
     leave too under `all`.
+    export_hf_every: every N RL steps (0: never), and at the end, the checkpoint also gets
+    `hf/`: the policy as a Hugging Face model (safetensors, config, tokenizer), written by every
+    rank, verified against the trainer (its tensors and its log-probs under transformers), in
+    the checkpoint's manifest (docs/CHECKPOINTS.md, "Hugging Face export"). Such a step is
+    always checkpointed. export_hf_on_failure: continue (the failed export is kept as
+    `hf.failed/` and named in one line) | stop (then the run stops, its checkpoint intact).
     """
 
     steps: int = bounded(800, ge=1)
@@ -254,6 +265,8 @@ class TrainerSection:
     max_consecutive_skipped_steps: int = bounded(16, ge=1)
     peer_timeout_s: float = bounded(60.0, gt=0)
     offload_during_rollout: str = choice("none", "optimizer", "all")
+    export_hf_every: int = bounded(0, ge=0)
+    export_hf_on_failure: str = choice("continue", "stop")
 
 
 @dataclass
@@ -562,6 +575,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
     _check_critic(cfg)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
+    _check_export(cfg, model)
     rollout_backend(rollout.engine).check(cfg)
     _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
@@ -623,6 +637,17 @@ def _check_rollout_mode(cfg: RunConfig) -> None:
             "generated turn by turn on the trainer's side (rank 0 steps the environments), "
             "which the batches generated ahead do not do; use rollout.mode=sync"
         )
+    if mode != "async" and rollout.pin_versions:
+        raise ConfigError(
+            f"rollout.pin_versions with rollout.mode={mode}: only async mode takes new weights "
+            "between tokens (one_step_off always samples a batch with one version; sync has no "
+            "batches ahead)"
+        )
+    if rollout.pin_versions and rollout.partial_rollout_mask:
+        raise ConfigError(
+            "rollout.partial_rollout_mask with rollout.pin_versions: a pinned batch never takes "
+            "new weights within a response, so there is nothing to mask"
+        )
     if mode == "sync":
         if rollout.partial_rollout_mask:
             raise ConfigError(
@@ -652,6 +677,22 @@ def _check_rollout_mode(cfg: RunConfig) -> None:
             "the step's rewards first (a synchronous round trip each) and would draw prompts "
             "out of order with the batches generated ahead; use dupo or none"
         )
+
+
+def _check_export(cfg: RunConfig, model: ModelConfig) -> None:
+    """An HF export needs a mapping of the architecture (the tokenizer is checked once loaded:
+    components.build_trainer)."""
+    if not cfg.trainer.export_hf_every:
+        return
+    from gspo_megatron.checkpoint.mapping import ConversionError, get_mapping
+
+    try:
+        get_mapping(model)
+    except ConversionError as err:
+        raise ConfigError(
+            f"trainer.export_hf_every={cfg.trainer.export_hf_every}: the model has no Hugging "
+            f"Face export ({err}); set trainer.export_hf_every=0"
+        ) from err
 
 
 def _check_critic(cfg: RunConfig) -> None:

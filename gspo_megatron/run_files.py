@@ -47,6 +47,8 @@ _RESUMABLE_CHANGES = {
     "trainer.save_every_minutes",
     "trainer.keep_last",
     "trainer.offload_during_rollout",
+    "trainer.export_hf_every",
+    "trainer.export_hf_on_failure",
     "logging",
     # Where the servers are is deployment, not the experiment: a requeued job may find them on
     # other nodes.
@@ -117,6 +119,7 @@ class RunCheckpoints:
         self.keep_last = keep_last
         # Checkpoints this process wrote or validated: known intact without reading them again.
         self._intact: dict[int, Path] = {}
+        self._resumed: Path | None = None
 
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:06d}"
@@ -125,14 +128,44 @@ class RunCheckpoints:
     def newest_intact(self) -> Path | None:
         return self._intact[max(self._intact)] if self._intact else None
 
+    @property
+    def resumed(self) -> Path | None:
+        """The checkpoint the run resumed from."""
+        return self._resumed
+
+    def read_file(self, name: str) -> Any:
+        """A file saved with `save(files=...)` in the checkpoint resumed last, on this rank
+        (weights_only: reading it runs no code); CheckpointError naming it if unreadable."""
+        from gspo_megatron.checkpoint.mapping import ConversionError
+        from gspo_megatron.checkpoint.safe_load import UnsafeCheckpointError, load_weights_only
+
+        if self._resumed is None:
+            raise CheckpointError(f"no checkpoint was resumed to read {name} from")
+        path = self._resumed / name
+        try:
+            with open(path, "rb") as f:
+                return load_weights_only(f, str(path))
+        except OSError as err:
+            raise CheckpointError(f"{path}: unreadable ({err.strerror or err})") from err
+        except UnsafeCheckpointError:
+            raise  # someone put code there: never a fallback
+        except ConversionError as err:
+            raise CheckpointError(str(err)) from err
+
     # -- save -------------------------------------------------------------------------------
 
     def save(
-        self, engine, step: int, state: dict[str, Any], companions: dict | None = None
+        self,
+        engine,
+        step: int,
+        state: dict[str, Any],
+        companions: dict | None = None,
+        files: dict[str, Any] | None = None,
     ) -> Path:
         """Write step `step`'s checkpoint (unless this process already has it intact), then
         delete the oldest intact ones beyond keep_last, never one newer than `step`.
-        companions: engines trained with the policy (name -> engine), saved with it."""
+        companions: engines trained with the policy (name -> engine), saved with it. files:
+        name -> rank 0's object (tensors and plain values) saved in the checkpoint too."""
         from gspo_megatron.megatron import checkpointing
 
         target = self.path(step)
@@ -151,7 +184,9 @@ class RunCheckpoints:
             self._warn_if_low_space()
         dist.barrier()
         try:
-            checkpointing.save_engine(engine, target, extra=state, companions=companions)
+            checkpointing.save_engine(
+                engine, target, extra=state, companions=companions, files=files
+            )
         except CheckpointError as err:
             intact = self.newest_intact
             raise CheckpointError(
@@ -227,6 +262,7 @@ class RunCheckpoints:
         """The resumed checkpoint is intact; newer ones of this run directory are moved aside:
         damaged, or from a future this run no longer follows."""
         self._intact[step] = path
+        self._resumed = path
         failures = failures or {}
         for s, newer in _broadcast(checkpoint_dirs(self.run_dir)):
             if s > step:

@@ -41,8 +41,10 @@ class Trainer:
     benchmarks: what `evaluate` runs (evaluation/benchmarks.py: build_benchmarks).
     ranks: this rank, rank 0's objects and votes (gspo_megatron.ranks).
     log: metrics sink (run_files.MetricsLogger: write, write_records, rewind, summary, close).
-    checkpoints: checkpoint store (run_files.RunCheckpoints: save, resume).
+    checkpoints: checkpoint store (run_files.RunCheckpoints: save, resume, read_file).
     watchdog: start/stop around the loop (peers.PeerWatchdog).
+    exporter: with trainer.export_hf_every, what writes a checkpoint's Hugging Face export
+        (megatron/hf_export.py, HFExporter: export, present, clear_leftovers).
     """
 
     def __init__(
@@ -63,8 +65,10 @@ class Trainer:
         reference=None,
         critic=None,
         reward_model=None,
+        exporter=None,
     ) -> None:
         self.cfg = cfg
+        self.exporter = exporter
         self.engine, self.reference, self.critic = engine, reference, critic
         self.collector = RolloutCollector.for_run(
             cfg,
@@ -251,9 +255,36 @@ class Trainer:
         return {"critic": self.critic} if self.critic is not None else {}
 
     def save(self) -> None:
+        """A checkpoint of the step, with the batches generated ahead as far as they got."""
+        in_flight, content = self.collector.in_flight()
         state = {"step": self.step, "sampler": self.collector.sampler_state()}
-        self.files.save(self.engine, self.step, state, companions=self._companions())
+        files = {}
+        if in_flight is not None:
+            state["in_flight"] = in_flight
+            files[in_flight["file"]] = content
+        path = self.files.save(
+            self.engine, self.step, state, companions=self._companions(), files=files
+        )
         self._last_save = time.monotonic()
+        self._export_if_due(path)
+
+    def _export_if_due(self, path) -> None:
+        """The checkpoint's Hugging Face export, at trainer.export_hf_every's steps and the last
+        one, unless it has one (what an interrupted export left is removed first); a failure
+        stops the run only when asked to."""
+        every = self.cfg.trainer.export_hf_every
+        last = self.step == self.cfg.trainer.steps
+        if self.exporter is None or not every or (self.step % every and not last):
+            return
+        self.exporter.clear_leftovers(path)
+        if self.exporter.present(path):
+            return
+        result = self.exporter.export(self.step, path)
+        note(result.message)
+        if not result.ok and self.cfg.trainer.export_hf_on_failure == "stop":
+            raise ExportFailedError(
+                f"{result.message} (trainer.export_hf_on_failure=stop: the run stops here)"
+            )
 
     def resume(self) -> None:
         state = self.files.resume(
@@ -271,6 +302,9 @@ class Trainer:
         self.log.rewind(self.step)
         note(f"resumed at step {self.step}")
         self.collector.update_weights(self.step)
+        self.collector.restore_in_flight(state.get("in_flight"), self.files.read_file)
+        if self.exporter is not None:  # an export a kill interrupted is done now
+            self._export_if_due(self.files.resumed)
 
     def _install_signal_handlers(self) -> dict[int, object]:
         """SIGTERM and SIGINT ask for a checkpoint and a stop after this step; returns the
@@ -290,6 +324,7 @@ class Trainer:
         """
         t = self.cfg.trainer
         by_steps = t.save_every > 0 and self.step % t.save_every == 0
+        by_steps |= t.export_hf_every > 0 and self.step % t.export_hf_every == 0
         by_time = (
             t.save_every_minutes > 0
             and time.monotonic() - self._last_save >= 60 * t.save_every_minutes
@@ -313,6 +348,10 @@ class Trainer:
         for part in (self.reward_model, self.engine, self.reference, self.critic):
             if part is not None:
                 part.close()
+
+
+class ExportFailedError(RuntimeError):
+    """A checkpoint's Hugging Face export failed and trainer.export_hf_on_failure=stop."""
 
 
 # -- helpers ------------------------------------------------------------------------------------

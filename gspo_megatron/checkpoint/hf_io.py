@@ -483,11 +483,45 @@ def _header_bytes(entries: Sequence[tuple[str, torch.dtype, Shape]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+def split_shards(
+    plan: Sequence[tuple[str, torch.dtype, Shape]], max_shard_bytes: int
+) -> list[list[tuple[str, torch.dtype, Shape]]]:
+    """The planned tensors cut into shards of at most `max_shard_bytes` (a larger tensor alone);
+    none for an empty plan."""
+    shards: list[list[tuple[str, torch.dtype, Shape]]] = []
+    size = 0
+    for entry in plan:
+        nbytes = math.prod(entry[2]) * entry[1].itemsize
+        if not shards or (shards[-1] and size + nbytes > max_shard_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def shard_file_name(index: int, count: int) -> str:
+    """`model-0000i-of-0000N.safetensors`, i counted from 0."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_index(
+    out_dir: Path, shards: Sequence[tuple[str, Sequence[tuple[str, torch.dtype, Shape]]]]
+):
+    """`model.safetensors.index.json` for shards given as (file name, planned tensors)."""
+    weight_map = {name: file_name for file_name, entries in shards for name, _, _ in entries}
+    total = sum(math.prod(s) * d.itemsize for _, entries in shards for _, d, s in entries)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (Path(out_dir) / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
 class ShardedSafetensorsWriter:
     """Writes tensors, in a fixed planned order, into HF safetensors shards + index.
 
     The plan (names, dtypes, shapes) fixes every shard's header up front, so each tensor is
-    written as soon as it exists and nothing is held back.
+    written as soon as it exists and nothing is held back. Several writers can share one
+    directory (a rank-parallel export): each writes its shards as numbers `first`.. of `total`
+    and none writes the index (`close(index=False)`; `write_index` with every writer's shards).
     """
 
     def __init__(
@@ -495,21 +529,15 @@ class ShardedSafetensorsWriter:
         out_dir: str | Path,
         plan: Sequence[tuple[str, torch.dtype, Shape]],
         max_shard_bytes: int,
+        *,
+        first: int = 0,
+        total: int | None = None,
     ) -> None:
         self.out_dir = Path(out_dir)
-        shards: list[list[tuple[str, torch.dtype, Shape]]] = [[]]
-        size = 0
-        for entry in plan:
-            nbytes = math.prod(entry[2]) * entry[1].itemsize
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(entry)
-            size += nbytes
-        count = len(shards)
+        shards = split_shards(plan, max_shard_bytes)
+        count = len(shards) if total is None else total
         self._shards = [
-            (f"model-{i + 1:05d}-of-{count:05d}.safetensors", entries)
-            for i, entries in enumerate(shards)
+            (shard_file_name(first + i, count), entries) for i, entries in enumerate(shards)
         ]
         self._order = [
             (name, dtype, shape) for _, entries in self._shards for name, dtype, shape in entries
@@ -553,17 +581,18 @@ class ShardedSafetensorsWriter:
             self._file.close()
             self._file = None
 
-    def close(self) -> None:
+    @property
+    def files(self) -> list[str]:
+        return [name for name, _ in self._shards]
+
+    def close(self, *, index: bool = True) -> None:
         """Finish the last shard and write the index; every planned tensor must be written."""
         if self._next != len(self._order):
             missing = self._order[self._next][0]
             raise ConversionError(f"internal: shards closed before {missing} was written")
         self._close_file()
-        weight_map = {
-            name: file_name for file_name, entries in self._shards for name, _, _ in entries
-        }
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        if index:
+            write_index(self.out_dir, self._shards)
 
     def abort(self) -> None:
         if self._file is not None:

@@ -241,24 +241,32 @@ def load_hf_weights(
     mapping = get_mapping(model_config, value_head=value_head)
     ckpt = HFCheckpoint(hf_dir)
     validate_hf_tensors(mapping, ckpt, head=head)
-    cached: tuple[Any, torch.Tensor] | None = None
     with torch.no_grad():
-        for entry, offsets, sh in sharded_pieces(chunks, mapping):
+        for entry, _, sh, region in hf_regions(chunks, mapping, ckpt):
             if head == "init" and entry.key == HEAD_KEY:
                 continue  # the value head stays as built
-            shape = tuple(sh.local_shape)
-            if entry.kind in ("copy", "vocab"):  # read only this piece's rows
-                region = read_unit_rows(ckpt, entry, offsets[0], offsets[0] + shape[0])
-                for dim in range(1, len(shape)):
-                    region = region.narrow(dim, offsets[dim], shape[dim])
-            else:
-                if cached is None or cached[0] is not entry:
-                    hf = [ckpt.read(n) for n in entry.hf_names]
-                    cached = (entry, mapping.to_megatron(entry, hf))
-                region = cached[1]
-                for dim, (start, length) in enumerate(zip(offsets, shape, strict=True)):
-                    region = region.narrow(dim, start, length)
             sh.data.copy_(region.reshape(sh.data.shape))
+
+
+def hf_regions(chunks, mapping: ModelMapping, ckpt: HFCheckpoint, *, main_replica_only=False):
+    """(entry, region offsets, ShardedTensor, the region's values read from `ckpt` in the
+    megatron unit's layout) for every weight piece this rank holds (`sharded_pieces`): what
+    loading an HF directory writes into each piece, and what an HF export is checked against."""
+    cached: tuple[Any, torch.Tensor] | None = None
+    for entry, offsets, sh in sharded_pieces(chunks, mapping, main_replica_only=main_replica_only):
+        shape = tuple(sh.local_shape)
+        if entry.kind in ("copy", "vocab"):  # read only this piece's rows
+            region = read_unit_rows(ckpt, entry, offsets[0], offsets[0] + shape[0])
+            for dim in range(1, len(shape)):
+                region = region.narrow(dim, offsets[dim], shape[dim])
+        else:
+            if cached is None or cached[0] is not entry:
+                hf = [ckpt.read(n) for n in entry.hf_names]
+                cached = (entry, mapping.to_megatron(entry, hf))
+            region = cached[1]
+            for dim, (start, length) in enumerate(zip(offsets, shape, strict=True)):
+                region = region.narrow(dim, start, length)
+        yield entry, offsets, sh, region
 
 
 def load_weights(

@@ -21,6 +21,10 @@ from pathlib import Path
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 _CHUNK = 8 << 20
+# Directories a checkpoint may gain after it was written (the Hugging Face export:
+# megatron/hf_export.py): listed in its manifest with the rest, but not what a resume loads, so
+# checking a checkpoint for a resume leaves them out.
+DERIVED_DIRS = ("hf/", "hf.failed/")
 
 
 class ManifestError(RuntimeError):
@@ -55,6 +59,15 @@ def write_manifest(root: str | Path, entries: dict[str, dict[str, int | str]]) -
     os.replace(tmp, path)
     fsync_dir(root)
     return path
+
+
+def add_entries(
+    root: str | Path, entries: dict[str, dict[str, int | str]], *, drop: Sequence[str] = ()
+) -> Path:
+    """The manifest with the entries under the `drop` prefixes removed and `entries` added
+    (replaced atomically: the old one or the new one)."""
+    kept = {k: v for k, v in read_manifest(root).items() if not k.startswith(tuple(drop))}
+    return write_manifest(root, {**kept, **entries})
 
 
 def read_manifest(root: str | Path) -> dict[str, dict[str, int | str]]:
@@ -109,10 +122,18 @@ def check_digests(
     return problems
 
 
-def verify(root: str | Path, *, required: bool = True, rank: int = 0, world: int = 1) -> list[str]:
+def verify(
+    root: str | Path,
+    *,
+    required: bool = True,
+    rank: int = 0,
+    world: int = 1,
+    skip: Sequence[str] = (),
+) -> list[str]:
     """This process's share of checking `root` against its manifest: sizes (on rank 0) and the
-    checksums of every `world`-th file from `rank`. Without a manifest: a problem when
-    `required`, else nothing to check (a checkpoint written elsewhere)."""
+    checksums of every `world`-th file from `rank`, but for files under the `skip` prefixes.
+    Without a manifest: a problem when `required`, else nothing to check (a checkpoint written
+    elsewhere)."""
     root = Path(root)
     if not required and not (root / MANIFEST_FILE).exists():
         return []
@@ -120,6 +141,7 @@ def verify(root: str | Path, *, required: bool = True, rank: int = 0, world: int
         entries = read_manifest(root)
     except ManifestError as err:
         return [str(err)]
+    entries = {k: v for k, v in entries.items() if not k.startswith(tuple(skip))}
     problems = check_sizes(root, entries) if rank == 0 else []
     return problems or check_digests(root, entries, sorted(entries)[rank::world])
 

@@ -156,6 +156,17 @@ class ModelMapping:
                 )
         return _TO_MEGATRON[entry.kind](self, entry, list(hf))
 
+    def hf_name_of_row(self, entry: TensorMapping, row: int) -> str:
+        """The HF tensor that row `row` of a megatron unit comes from (qkv: its KV group's q,
+        k or v rows; gate_up: the gate half, then the up half)."""
+        if entry.kind == "qkv":
+            _, q_rows, kv_rows = _qkv_groups(self.config)
+            within = row % (q_rows + 2 * kv_rows)
+            return entry.hf_names[0 if within < q_rows else 1 if within < q_rows + kv_rows else 2]
+        if entry.kind == "gate_up":
+            return entry.hf_names[0 if row < entry.shape[0] // 2 else 1]
+        return entry.hf_names[0]
+
     def to_hf(self, entry: TensorMapping, unit: torch.Tensor) -> list[torch.Tensor]:
         """The HF tensors of a megatron unit (views where possible)."""
         if tuple(unit.shape) != entry.shape:

@@ -92,12 +92,15 @@ def save_engine(
     extra: dict[str, Any] | None = None,
     with_optimizer: bool = True,
     companions: Mapping[str, Any] | None = None,
+    files: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save model (+ optimizer) and RNG state, then the metadata and the manifest. Collective.
 
     companions: name -> engine trained with this one (e.g. "critic"), each saved to
-    `path/name` with its own optimizer. A failure on any rank raises CheckpointError on every
-    rank, naming the file and the reason (for storage errors, the OS's, e.g. "No space left on
+    `path/name` with its own optimizer. files: name -> object (tensors and plain values) that
+    rank 0 saves under `path/name` with torch.save, in the manifest like the rest (the other
+    ranks' values are ignored). A failure on any rank raises CheckpointError on every rank,
+    naming the file and the reason (for storage errors, the OS's, e.g. "No space left on
     device"); the partial directory is removed.
     """
     final = Path(path)
@@ -132,6 +135,9 @@ def save_engine(
                 write_meta(tmp, _engine_meta(engine, with_optimizer, extra or {}))
                 for name, saved in companions.items():
                     write_meta(tmp / name, _engine_meta(saved, with_optimizer, {}))
+                for name, obj in (files or {}).items():
+                    (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                    _save_durably(obj, tmp / name)
 
         _on_every_rank("write the RNG state and metadata", write_rng_and_meta, tmp)
         digests = _on_every_rank(
@@ -318,11 +324,17 @@ def validate(
 
 
 def _file_problems(path: Path, require_manifest: bool) -> list[str]:
-    """This rank's share of the manifest checks (sizes on rank 0, checksums split by rank)."""
+    """This rank's share of the manifest checks (sizes on rank 0, checksums split by rank), of
+    what loading reads (not an HF export: manifest.DERIVED_DIRS)."""
+    skip = manifest.DERIVED_DIRS
     if not dist.is_initialized():
-        return manifest.verify(path, required=require_manifest)
+        return manifest.verify(path, required=require_manifest, skip=skip)
     return manifest.verify(
-        path, required=require_manifest, rank=dist.get_rank(), world=dist.get_world_size()
+        path,
+        required=require_manifest,
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        skip=skip,
     )
 
 

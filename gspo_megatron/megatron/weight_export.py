@@ -14,6 +14,10 @@ than about one bucket (or one unit) of gathered weights.
 
 Names follow the HF checkpoint on disk: per-expert `mlp.experts.{e}.gate_proj.weight` etc., the
 names SGLang's qwen3_moe loader expects. Vocabulary padding rows are dropped.
+
+Each bucket is gathered to one rank: the sender, or for a rank-parallel export (the HF export
+after a checkpoint, megatron/hf_export.py) the bucket's owner in `owners`, so every rank writes
+its own share. `plan` tells every rank, before any transfer, which tensors each bucket yields.
 """
 
 from __future__ import annotations
@@ -154,10 +158,33 @@ class MegatronWeightSource:
             size += nbytes
         return buckets
 
+    def plan(self, bucket_bytes: int) -> list[list[tuple[str, Shape, torch.dtype]]]:
+        """The (HF name, shape, dtype) of every tensor each gather bucket yields, in order: the
+        same on every rank. Collective the first time (the ranks share what they hold)."""
+        with torch.no_grad():
+            pieces = self._plan(self._local())
+        dtype = {p.unit: self.dtype or p.dtype for p in pieces}
+        vocab = self.mapping.config.vocab_size
+        return [
+            [
+                (name, shape, dtype[u])
+                for u in units
+                for name, shape in zip(
+                    self.mapping.entries[u].hf_names,
+                    _export_hf_shapes(self.mapping.entries[u], vocab),
+                    strict=True,
+                )
+            ]
+            for units in self._bucket_units(bucket_bytes, pieces)
+        ]
+
     # -- transfer ------------------------------------------------------------------------------
 
-    def buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Lists of (HF name, tensor), at most ~bucket_bytes each; empty on non-senders.
+    def buckets(
+        self, bucket_bytes: int, owners: Sequence[int] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Lists of (HF name, tensor), at most ~bucket_bytes each, on the rank each bucket is
+        gathered to (the sender, or `owners[b]` for bucket b of `plan`); empty lists elsewhere.
 
         Collective: every rank must iterate all buckets.
         """
@@ -169,16 +196,17 @@ class MegatronWeightSource:
             mine = {(p.unit, p.offsets): data for p, data in local}
             rank = dist.get_rank()
             for tag, units in enumerate(self._bucket_units(bucket_bytes, pieces)):
+                owner = self.sender if owners is None else owners[tag]
                 in_bucket = set(units)
                 bucket_pieces = [p for p in pieces if p.unit in in_bucket]
                 splits = self._split(units, pieces, bucket_bytes)
-                if rank == self.sender:
-                    named = self._receive(units, bucket_pieces, mine, tag)
+                if rank == owner:
+                    named = self._receive(units, bucket_pieces, mine, tag, owner)
                     for start, end in splits:
                         yield named[start:end]
                     del named
                 else:
-                    self._send([p for p in bucket_pieces if p.rank == rank], mine, tag)
+                    self._send([p for p in bucket_pieces if p.rank == rank], mine, tag, owner)
                     for _ in splits:
                         yield []
 
@@ -201,13 +229,13 @@ class MegatronWeightSource:
         runs.append((start, len(sizes)))
         return runs
 
-    def _send(self, pieces: list[_Piece], mine: dict, tag: int) -> None:
+    def _send(self, pieces: list[_Piece], mine: dict, tag: int, owner: int) -> None:
         if not pieces:
             return
         flat = torch.cat([_bytes(mine[(p.unit, p.offsets)]) for p in pieces])
-        dist.send(flat, dst=self.sender, tag=tag)
+        dist.send(flat, dst=owner, tag=tag)
 
-    def _receive(self, units, pieces, mine, tag) -> list[tuple[str, torch.Tensor]]:
+    def _receive(self, units, pieces, mine, tag, owner) -> list[tuple[str, torch.Tensor]]:
         device = accelerator()  # the point-to-point transfers run on the default (NCCL) group
         vocab = self.mapping.config.vocab_size
         dtypes = {p.unit: p.dtype for p in pieces}
@@ -222,13 +250,13 @@ class MegatronWeightSource:
             by_rank.setdefault(p.rank, []).append(p)
         requests, buffers = [], {}
         for src, src_pieces in sorted(by_rank.items()):
-            if src == self.sender:
+            if src == owner:
                 continue
             buffers[src] = torch.empty(
                 sum(p.nbytes for p in src_pieces), dtype=torch.uint8, device=device
             )
             requests.append(dist.irecv(buffers[src], src=src, tag=tag))
-        for p in by_rank.get(self.sender, []):
+        for p in by_rank.get(owner, []):
             _region(full[p.unit], p).copy_(mine[(p.unit, p.offsets)])
         for req in requests:
             req.wait()

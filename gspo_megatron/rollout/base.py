@@ -125,6 +125,44 @@ class JobStats:
     weights_wait_s: float = 0.0  # waiting for weights new enough (the staleness bound)
     generate_s: float = 0.0
     weight_swaps: int = 0  # partial rollouts: weights taken between two tokens
+    sampled_tokens: int = 0  # response tokens this job sampled (not those it was given)
+
+
+@dataclass
+class JobProgress:
+    """What a generate job has produced so far, per prompt its `n` samples: each one complete
+    (`done`), or partial: the response tokens so far (possibly none), each with its log-prob
+    and the weight version that sampled it (`token_versions`).
+
+    A checkpoint records the progress of the jobs in flight (`ServerRolloutEngine.snapshot`);
+    `start_generate(..., progress=)` continues a job from it: the complete samples are
+    returned as they are, the others go on from their tokens with the sampling streams they
+    started with (the same seeds, at the same positions).
+    """
+
+    samples: list[list[RolloutSample]]
+    done: list[list[bool]]
+
+    @classmethod
+    def finished(cls, groups: list[list[RolloutSample]]) -> JobProgress:
+        return cls(groups, [[True] * len(g) for g in groups])
+
+    @classmethod
+    def empty(cls, prompts: Sequence[Sequence[int]], n: int) -> JobProgress:
+        """Nothing generated yet."""
+        samples = [
+            [RolloutSample(list(p), [], [], "abort", token_versions=[]) for _ in range(n)]
+            for p in prompts
+        ]
+        return cls(samples, [[False] * n for _ in prompts])
+
+    @property
+    def complete(self) -> bool:
+        return all(all(row) for row in self.done)
+
+    def tokens(self) -> int:
+        """Response tokens generated so far (complete and partial samples)."""
+        return sum(len(s.response_ids) for group in self.samples for s in group)
 
 
 @runtime_checkable
@@ -181,10 +219,23 @@ class ServerRolloutEngine(Protocol):
         *,
         min_version: int | None = None,
         urgent: bool = False,
+        progress: JobProgress | None = None,
     ) -> concurrent.futures.Future:
         """A generate job: its future gives `n` samples per prompt, grouped per prompt, and then
         holds the job's `JobStats` as `job_stats`. It starts with weights of version >=
-        `min_version` (default: the latest); `urgent` jobs go before queued ones."""
+        `min_version` (default: the latest); `urgent` jobs go before queued ones. `progress`
+        (a checkpoint's, from `snapshot`): continue those samples instead of starting over."""
+        ...
+
+    def snapshot(self, jobs: Sequence[concurrent.futures.Future]) -> list[JobProgress]:
+        """The progress of each of `jobs` (futures of `start_generate`), for a checkpoint.
+
+        Every token a sample has when the snapshot is taken is in it, and the jobs go on from
+        exactly that state, as a run resumed from the checkpoint does (`progress=`). An engine
+        whose jobs keep one weight version throughout (rollout.mode one_step_off, pinned
+        versions) first finishes a job running with weights older than the latest published:
+        the resumed run no longer has them.
+        """
         ...
 
     def servers_to_resync(self) -> list[str]:

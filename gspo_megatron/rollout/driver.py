@@ -21,6 +21,8 @@ from typing import Any
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.base import (
     InProcessRolloutEngine,
+    JobProgress,
+    JobStats,
     RolloutSample,
     RolloutUnavailableError,
     SamplingParams,
@@ -83,9 +85,11 @@ class RolloutDriver:
         *,
         min_version: int | None = None,
         urgent: bool = False,
+        progress: JobProgress | None = None,
     ) -> Submitted:
         """Start a generate job of a server engine on rank 0 (every rank calls this);
-        `collect` waits for it."""
+        `collect` waits for it. `progress` (rank 0's; a checkpoint's): continue those samples;
+        a job whose samples are all complete is not sent to the engine."""
         # Stale servers that answer get the weights first, so they take part from the start.
         due = self.ranks.broadcast(
             self.engine.servers_to_resync() if self.ranks.rank == 0 else None
@@ -94,12 +98,44 @@ class RolloutDriver:
         job = None
         if self.ranks.rank == 0 and error is None:
             try:
-                job = self.engine.start_generate(
-                    prompts, n, params, min_version=min_version, urgent=urgent
-                )
+                if progress is not None and progress.complete:
+                    job = concurrent.futures.Future()
+                    job.job_stats = JobStats()  # type: ignore[attr-defined]
+                    job.set_result(progress.samples)
+                else:
+                    job = self.engine.start_generate(
+                        prompts, n, params, min_version=min_version, urgent=urgent,
+                        progress=progress,
+                    )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - shared with the other ranks by collect
                 error = e
         return Submitted(job, error)
+
+    def snapshot(self, submitted: Sequence[Submitted]) -> list[JobProgress] | None:
+        """The progress of submitted calls (rank 0's; None on the others), for a checkpoint.
+        Collective: a failure on rank 0 raises on every rank."""
+        progress, message = None, None
+        if self.ranks.rank == 0:
+            try:
+                failed = next((s.error for s in submitted if s.error is not None), None)
+                if failed is not None:
+                    raise failed
+                # a job done keeps its result (one restored complete never ran at all)
+                done = [s.job.done() for s in submitted]
+                running = [s.job for s, d in zip(submitted, done, strict=True) if not d]
+                asked = iter(self.engine.snapshot(running) if running else [])
+                progress = [
+                    JobProgress.finished(s.job.result()) if d else next(asked)
+                    for s, d in zip(submitted, done, strict=True)
+                ]
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks
+                message = f"{type(e).__name__}: {e}"
+        message = self.ranks.broadcast(message)
+        if message is not None:
+            raise RolloutFailedOnRankZero(
+                f"rank 0 could not record the rollouts in flight for a checkpoint: {message}"
+            )
+        return progress
 
     def collect(self, submitted: Submitted) -> list[list[RolloutSample]]:
         """The samples of a submitted call, on every rank."""

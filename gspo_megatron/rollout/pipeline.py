@@ -9,8 +9,10 @@ train on it ("never started" rather than dropped).
 
 The sampler draws each batch's prompts when the batch is submitted, in step order, with the
 seeds a synchronous run would use for that step. A checkpoint records the sampler as it was
-before the oldest batch still in flight: a resumed run draws those prompts again and generates
-them anew (with the resumed weights).
+before the oldest batch still in flight and the batches in flight with what the engine has
+generated of them (`in_flight`, rollout/inflight.py); a resumed run draws those prompts again
+and continues each batch from its record (`restore`): complete samples are kept, partial ones
+go on from their tokens, so nothing generated before the checkpoint is generated again.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from dataclasses import dataclass
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
 from gspo_megatron.ranks import Ranks
-from gspo_megatron.rollout.base import RolloutSample, SamplingParams
+from gspo_megatron.rollout.base import JobProgress, RolloutSample, SamplingParams
 from gspo_megatron.rollout.driver import RolloutDriver, Submitted
+from gspo_megatron.rollout.inflight import InFlightBatch
 
 
 @dataclass
@@ -33,6 +36,7 @@ class _Ahead:
     prompts: list[Prompt]
     submitted: Submitted
     sampler_before: dict
+    restored_tokens: int = 0  # tokens it had at the checkpoint it was restored from
 
 
 class RolloutPipeline:
@@ -72,15 +76,17 @@ class RolloutPipeline:
         self.ahead.popleft()
         job = head.submitted.job
         job_stats = getattr(job, "job_stats", None) if self.ranks.rank == 0 else None
-        job_stats, ready = self.ranks.broadcast(
-            (job_stats, ready) if self.ranks.rank == 0 else None
+        job_stats, ready, restored = self.ranks.broadcast(
+            (job_stats, ready, head.restored_tokens) if self.ranks.rank == 0 else None
         )
         stats["async/queue_ready"] = float(ready)
+        stats["async/restored_tokens"] = float(restored)
         if job_stats is not None:
             stats["time/generator_idle"] = job_stats.idle_s
             stats["time/generator_weights_wait"] = job_stats.weights_wait_s
             stats["time/generator_generate"] = job_stats.generate_s
             stats["async/weight_swaps"] = float(job_stats.weight_swaps)
+            stats["async/sampled_tokens"] = float(job_stats.sampled_tokens)
         # The next batches generate while this one trains.
         while len(self.ahead) < self.depth:
             self._submit(self.ahead[-1].step + 1 if self.ahead else step + 1)
@@ -95,13 +101,80 @@ class RolloutPipeline:
         """Forget the batches in flight (their results are never used)."""
         self.ahead.clear()
 
+    def in_flight(self) -> list[InFlightBatch]:
+        """The batches in flight with what the engine has generated of them (rank 0's
+        progress; the other ranks' batches hold none), for a checkpoint. Collective."""
+        entries = list(self.ahead)
+        progress = self.driver.snapshot([a.submitted for a in entries])
+        out = []
+        for i, a in enumerate(entries):
+            prompts = [p.prompt_ids for p in a.prompts]
+            done = JobProgress.empty(prompts, self.group_size) if progress is None else progress[i]
+            out.append(InFlightBatch(a.step, self.params_for(a.step), done))
+        return out
+
+    def restore(self, steps: list[int], batches: list[InFlightBatch] | None) -> str | None:
+        """After a rewind to the checkpoint's sampler: draw the batches of `steps` that were in
+        flight and continue each from its record (`batches`, rank 0's; None on the others).
+        Returns why the record cannot be used (the same on every rank; then nothing is
+        submitted and the sampler is back where it was), or None. Collective."""
+        drawn = []
+        for _ in steps:
+            before = self.sampler.state_dict()
+            drawn.append((before, self.sampler.next_batch()))
+        problem = self._mismatch(steps, batches, drawn) if self.ranks.rank == 0 else None
+        problem = self.ranks.broadcast(problem)
+        if problem is not None:
+            if drawn:
+                self.sampler.load_state_dict(drawn[0][0])
+            return problem
+        for i, (step, (before, prompts)) in enumerate(zip(steps, drawn, strict=True)):
+            progress = None if batches is None else self._within_bound(batches[i])
+            self._submit_drawn(step, prompts, before, progress)
+        return None
+
+    def _mismatch(self, steps: list[int], batches: list[InFlightBatch] | None, drawn) -> str | None:
+        """Why the record does not fit this run (its settings, or the prompts drawn again)."""
+        if batches is None or [b.step for b in batches] != steps:
+            held = [b.step for b in batches or []]
+            return f"the record holds the batches of steps {held}, the checkpoint says {steps}"
+        if self.ahead or (steps and steps != list(range(steps[0], steps[0] + len(steps)))):
+            return f"the batches in flight are not consecutive steps ({steps})"
+        for b, (_, prompts) in zip(batches, drawn, strict=True):
+            if b.params != self.params_for(b.step):
+                return f"batch of step {b.step + 1} was sampled with other settings ({b.params})"
+            ids = [[s.prompt_ids for s in g] for g in b.progress.samples]
+            want = [[p.prompt_ids] * self.group_size for p in prompts]
+            if ids != want:
+                return (
+                    f"batch of step {b.step + 1}: its prompts or rollout.group_size differ from "
+                    "this run's (data, data.seed or the group size changed)"
+                )
+        return None
+
+    def _within_bound(self, batch: InFlightBatch) -> JobProgress:
+        """A group holding a token already past rollout.max_staleness (a lower bound on resume)
+        is not continued: it is dropped and counted when taken, as in a live run."""
+        progress = batch.progress
+        for group, flags in zip(progress.samples, progress.done, strict=True):
+            lags = [batch.step - v for s in group for v in s.versions()]
+            if lags and max(lags) > self.max_staleness:
+                flags[:] = [True] * len(flags)
+        return progress
+
     def _submit(self, step: int) -> None:
         before = self.sampler.state_dict()
-        prompts = self.sampler.next_batch()
+        self._submit_drawn(step, self.sampler.next_batch(), before, None)
+
+    def _submit_drawn(
+        self, step: int, prompts: list[Prompt], before: dict, progress: JobProgress | None
+    ) -> None:
         submitted = self.driver.submit(
             [p.prompt_ids for p in prompts],
             self.group_size,
             self.params_for(step),
             min_version=max(step - self.max_staleness, 0),
+            progress=progress,
         )
-        self.ahead.append(_Ahead(step, prompts, submitted, before))
+        restored = progress.tokens() if progress is not None else 0
+        self.ahead.append(_Ahead(step, prompts, submitted, before, restored))

@@ -178,6 +178,151 @@ def check_staleness_gate_and_priority(trainer) -> None:
         engine.close()
 
 
+def in_process_generator(trainer, mode: str):
+    """A ProcessGenerator in this process, over a staging copy of the trainer's weights."""
+    source = MegatronWeightSource.from_engine(trainer)
+    settings, rope = generator_settings(run_config(mode), trainer, False)
+    staging = {}
+    for bucket in source.buckets(1 << 30):
+        staging.update({name: t.clone() for name, t in bucket})
+    published = types.SimpleNamespace(value=0)
+    generator = ProcessGenerator(settings, staging, rope, threading.Lock(), published)
+    generator.take_weights()
+    return generator, settings
+
+
+def same_samples(a, b) -> bool:
+    """Tokens, log-probs, versions and finish reasons equal, bit for bit."""
+    key = lambda s: (s.response_ids, s.logprobs, s.versions(), s.finish_reason)  # noqa: E731
+    return [key(s) for s in flat(a)] == [key(s) for s in flat(b)]
+
+
+def check_continuation(trainer) -> None:
+    """A response continued from its first tokens (a checkpoint's partial rollout) is the one
+    the uninterrupted sequence produces: the same tokens (the same uniforms, from the same
+    positions), log-probs within float32 noise of it (the continuation prefills what the
+    uninterrupted one decoded token by token), and of the trainer's recompute."""
+    generator, settings = in_process_generator(trainer, "async")
+    prompts = make_prompts(4, seed=11, vocab=trainer.model_config.vocab_size)
+    params = SamplingParams(temperature=1.0, max_new_tokens=14, seed=21)
+    seqs = make_sequences(
+        prompts, 2, params, vocab_size=settings.spec.vocab_size, max_sequence_length=MAX_LEN
+    )
+    whole = GenerationBatch(generator, seqs, params, params.seed)
+    with torch.no_grad():
+        for _ in whole.run():
+            pass
+    cut = GenerationBatch(generator, seqs, params, params.seed)
+    with torch.no_grad():
+        for step, _ in enumerate(cut.run()):
+            if step == 6:  # the 6th token of every row is decided
+                break
+    partial = cut.partial()
+    lengths = sorted({len(x.response_ids) for x in partial.values()})
+    report("partial_rows_hold_their_tokens", lengths, ok=len(partial) == 8 and lengths == [6])
+    again = make_sequences(
+        prompts, 2, params, vocab_size=settings.spec.vocab_size, max_sequence_length=MAX_LEN,
+        prefixes=partial,
+    )  # fmt: skip
+    rest = GenerationBatch(generator, again, params, params.seed)
+    with torch.no_grad():
+        for _ in rest.run():
+            pass
+    a = [whole.results[k] for k in sorted(whole.results)]
+    b = [rest.results[k] for k in sorted(rest.results)]
+    same = [x.response_ids for x in a] == [x.response_ids for x in b]
+    report("continued_tokens_equal_uninterrupted", int(not same), ok=same)
+    diff = max(
+        abs(u - v)
+        for x, y in zip(a, b, strict=True)
+        for u, v in zip(x.logprobs, y.logprobs, strict=True)
+    )
+    report("continued_logprobs_vs_uninterrupted", diff, TOL)
+    prefix_kept = all(
+        y.logprobs[:6] == partial[k].logprobs for k, y in sorted(rest.results.items())
+    )
+    report("continued_prefix_logprobs_kept", int(not prefix_kept), ok=prefix_kept)
+    sampled = int(rest.sampled) + sum(len(x.response_ids) for x in partial.values())
+    total = sum(len(x.response_ids) for x in b)
+    report("continued_rows_sample_only_the_rest", sampled - total, ok=sampled == total)
+    ref = recomputed_logprobs(trainer, b).logprobs
+    report("continued_logprob_vs_trainer", max_logprob_diff(b, ref), TOL)
+
+
+def check_snapshot_and_resume(trainer) -> None:
+    """rollout.mode=async: a snapshot between two tokens records every row's tokens; the job
+    goes on from that record, and the same record given to a new job (a resumed run's) gives
+    the same samples bit for bit. Nothing recorded is sampled again."""
+    engine, source = build_generator_process(run_config("async"), trainer, False)
+    try:
+        engine.update_weights(source, 0)
+        prompts = make_prompts(6, seed=12, vocab=trainer.model_config.vocab_size)
+        params = SamplingParams(temperature=1.0, max_new_tokens=MAX_LEN - 10, seed=31)
+        job = engine.start_generate(prompts, 4, params)
+        # Snapshots one after another (each suspends the job and lets it go on) until one
+        # catches rows half-way.
+        partial = tokens = 0
+        while not partial and not job.done():
+            (progress,) = engine.snapshot([job])
+            tokens = progress.tokens()
+            partial = sum(
+                not done and s.response_ids != []
+                for g, flags in zip(progress.samples, progress.done, strict=True)
+                for s, done in zip(g, flags, strict=True)
+            )
+        report("snapshot_holds_partial_rows", [tokens, partial], ok=tokens > 0 and partial > 0)
+        first = job.result(timeout=300)
+        kept = all(
+            s.response_ids[: len(r.response_ids)] == r.response_ids
+            and s.logprobs[: len(r.logprobs)] == r.logprobs
+            for g, h in zip(first, progress.samples, strict=True)
+            for s, r in zip(g, h, strict=True)
+        )
+        report("job_goes_on_from_the_snapshot", int(not kept), ok=kept)
+        counted = job.job_stats.sampled_tokens
+        total = sum(len(s.response_ids) for s in flat(first))
+        report("job_samples_each_token_once", counted - total, ok=counted == total)
+        resumed = engine.start_generate(prompts, 4, params, progress=progress)
+        second = resumed.result(timeout=300)
+        report("resumed_job_equals_the_uninterrupted", 0, ok=same_samples(first, second))
+        again = resumed.job_stats.sampled_tokens
+        report("resumed_job_samples_only_the_rest", again - (total - tokens),
+               ok=again == total - tokens)  # fmt: skip
+    finally:
+        engine.close()
+
+
+def check_pinned_jobs(trainer) -> None:
+    """one_step_off (pinned): a weight update waits until the jobs pinned to the version before
+    have started, so each batch is sampled by the version it was pinned to whatever the
+    timing; a snapshot lets the job running finish (the resumed run has no weights for it)."""
+    engine, source = build_generator_process(run_config("one_step_off"), trainer, False)
+    try:
+        engine.update_weights(source, 0)
+        prompts = make_prompts(6, seed=13, vocab=trainer.model_config.vocab_size)
+        params = SamplingParams(temperature=1.0, max_new_tokens=30, seed=41)
+        busy = engine.start_generate(prompts, 4, params)
+        queued = engine.start_generate(prompts[:2], 2, params)  # pinned to 0 as well
+        updated = threading.Event()
+        update = threading.Thread(
+            target=lambda: (engine.update_weights(source, 1), updated.set()), daemon=True
+        )
+        update.start()
+        time.sleep(0.3)
+        report("update_waits_for_the_pinned_job", int(updated.is_set()), ok=not updated.is_set())
+        versions = {v for s in flat(queued.result(timeout=300)) for v in s.versions()}
+        update.join(timeout=300)
+        report("pinned_job_keeps_its_version", sorted(versions), ok=versions == {0})
+        running = engine.start_generate(prompts, 4, params)  # pinned to 1
+        time.sleep(0.5)
+        (progress,) = engine.snapshot([running])
+        report("pinned_snapshot_waits_for_the_job", int(not progress.complete),
+               ok=progress.complete and running.done())  # fmt: skip
+        busy.result(timeout=300)
+    finally:
+        engine.close()
+
+
 def main() -> int:
     warnings.filterwarnings("ignore")
     layout = ParallelLayout(world_size=1)
@@ -192,6 +337,9 @@ def main() -> int:
     check_process_equals_embedded(trainer)
     check_partial_rollout(trainer)
     check_staleness_gate_and_priority(trainer)
+    check_continuation(trainer)
+    check_snapshot_and_resume(trainer)
+    check_pinned_jobs(trainer)
     trainer.close()
     parallel.destroy()
     return 0

@@ -7,7 +7,14 @@
   its own version's weights within 1e-6;
 - a job waits for weights as new as its `min_version` (the staleness bound), an urgent job
   (evaluation) overtakes a waiting one, and a killed process fails the pending jobs with one
-  clear error.
+  clear error;
+- a partial response continued from its first tokens (a checkpoint's) has the uninterrupted
+  one's tokens, log-probs within 1e-6 of them and of the trainer's recompute, and samples only
+  what it lacked;
+- async: a snapshot between two tokens records every row's tokens, the job goes on from it, and
+  a new job given the same record (a resumed run's) returns the same samples bit for bit;
+- pinned (one_step_off): a weight update waits for the jobs pinned to the version before, which
+  keep their version; a snapshot lets the running job finish.
 """
 
 from __future__ import annotations
@@ -30,6 +37,20 @@ CHECKS = [
     "urgent_job_overtakes_gated_one",
     "gated_job_waited_for_its_version",
     "dead_process_fails_pending_jobs",
+    "partial_rows_hold_their_tokens",
+    "continued_tokens_equal_uninterrupted",
+    "continued_logprobs_vs_uninterrupted",
+    "continued_prefix_logprobs_kept",
+    "continued_rows_sample_only_the_rest",
+    "continued_logprob_vs_trainer",
+    "snapshot_holds_partial_rows",
+    "job_goes_on_from_the_snapshot",
+    "job_samples_each_token_once",
+    "resumed_job_equals_the_uninterrupted",
+    "resumed_job_samples_only_the_rest",
+    "update_waits_for_the_pinned_job",
+    "pinned_job_keeps_its_version",
+    "pinned_snapshot_waits_for_the_job",
 ]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from gspo_megatron import CONF_DIR
 from gspo_megatron.algorithms.gae import value_loss_terms
 from gspo_megatron.algorithms.losses import policy_loss
 from gspo_megatron.algorithms.metrics import finalize_metrics
-from gspo_megatron.rollout.base import RolloutSample, SamplingParams
+from gspo_megatron.rollout.base import JobProgress, JobStats, RolloutSample, SamplingParams
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.sample import TrainSample, validate_samples
 
@@ -717,17 +718,29 @@ class FakeGeneratorProcess(FakeRollout):
         self.swap_after: int | None = None
         self.extra_lag: dict[int, int] = {}
 
-    def start_generate(self, prompts, n, params, *, min_version=None, urgent=False):
+    def start_generate(self, prompts, n, params, *, min_version=None, urgent=False, progress=None):
         job = {
             "prompts": [list(p) for p in prompts], "n": n, "params": params,
             "min_version": self.version if min_version is None else min_version,
-            "urgent": urgent, "version": None,
+            "urgent": urgent, "version": None, "progress": progress,
         }  # fmt: skip
         self.jobs.append(job)
         future: concurrent.futures.Future = concurrent.futures.Future()
+        future.job = job
         self.waiting.insert(0 if urgent else len(self.waiting), (job, future))
         self._run_ready()
         return future
+
+    def snapshot(self, jobs):
+        """Jobs run whole when their weights come: each is complete, or not started."""
+        out = []
+        for future in jobs:
+            job = future.job
+            if future.done():
+                out.append(JobProgress.finished(future.result()))
+            else:
+                out.append(job["progress"] or JobProgress.empty(job["prompts"], job["n"]))
+        return out
 
     def update_weights(self, source, version: int, urls=None) -> None:
         super().update_weights(source, version)
@@ -738,6 +751,12 @@ class FakeGeneratorProcess(FakeRollout):
             job, future = self.waiting.pop(0)
             job["version"] = self.version
             groups = self.generate(job["prompts"], job["n"], job["params"])
+            kept = job["progress"]
+            if kept is not None:  # complete samples stay; the fake starts partial ones over
+                for p, flags in enumerate(kept.done):
+                    for j, done in enumerate(flags):
+                        if done:
+                            groups[p][j] = kept.samples[p][j]
             for index, group in enumerate(groups):
                 for sample in group:
                     versions = [self.version] * len(sample.response_ids)
@@ -745,7 +764,11 @@ class FakeGeneratorProcess(FakeRollout):
                         cut = min(self.swap_after, len(versions))
                         versions = versions[:cut] + [self.version + 1] * (len(versions) - cut)
                     lag = self.extra_lag.get(index, 0)
-                    sample.token_versions = [v - lag for v in versions]
+                    if sample.token_versions is None or kept is None:
+                        sample.token_versions = [v - lag for v in versions]
+            future.job_stats = JobStats(
+                sampled_tokens=sum(len(s.response_ids) for g in groups for s in g)
+            )
             future.set_result(groups)
 
     def servers_to_resync(self) -> list[str]:
@@ -840,18 +863,29 @@ class MemoryCheckpoints:
     def __init__(self) -> None:
         self.saved: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
-    def save(self, engine: FakePolicy, step: int, state: dict[str, Any], companions) -> None:
+    def save(
+        self, engine: FakePolicy, step: int, state: dict[str, Any], companions, files=None
+    ) -> None:
         weights = {"": engine.state_dict()}
         weights.update({name: e.state_dict() for name, e in companions.items()})
-        self.saved[step] = (copy.deepcopy(state), weights)
+        # the files as a checkpoint holds them: torch.save, read back with weights_only
+        stored = {}
+        for name, obj in (files or {}).items():
+            buffer = io.BytesIO()
+            torch.save(obj, buffer)
+            stored[name] = buffer.getvalue()
+        self.saved[step] = (copy.deepcopy(state), weights, stored)
 
     def resume(self, engine: FakePolicy, mode: str, companions) -> dict[str, Any] | None:
         if mode == "never" or not self.saved:
             return None
-        state, weights = self.saved[max(self.saved)]
+        state, weights, self._files = self.saved[max(self.saved)]
         for name, e in {"": engine, **companions}.items():
             e.load_state_dict(weights[name])
         return copy.deepcopy(state)
+
+    def read_file(self, name: str):
+        return torch.load(io.BytesIO(self._files[name]), weights_only=True)
 
 
 class NullWatchdog:

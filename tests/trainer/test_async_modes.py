@@ -109,21 +109,70 @@ def test_partial_rollout_mask_leaves_tokens_before_the_last_swap_out(composer, t
     assert all(s.loss_mask is None for c in plain.journal.calls("train") for s in c.samples)
 
 
-def test_resume_draws_the_batches_in_flight_again(composer, tokenizer):
+def trained_responses(run) -> list[list[list[int]]]:
+    """Per optimizer step, the responses it trained on (in the order it took them)."""
+    return [[list(s.response_ids) for s in c.samples] for c in run.journal.calls("train")]
+
+
+def stable(records) -> list[dict]:
+    """Records without what depends on timing or on where the run was resumed."""
+    moved = ("time/", "perf/", "async/restored_tokens", "async/sampled_tokens")
+    return [(s, {k: v for k, v in m.items() if not k.startswith(moved)}) for s, m in records]
+
+
+def test_resume_continues_the_batches_in_flight(composer, tokenizer):
+    """A checkpoint holds the batches generated ahead; the resumed run trains on them as they
+    were (none generated again) and ends where an uninterrupted run ends."""
     overrides = ("rollout.mode=async", "rollout.queue_batches=2", "rollout.max_staleness=2")
     whole = run_fake(composer, tokenizer, *overrides, "trainer.steps=4")
     store = MemoryCheckpoints()
     first = run_fake(composer, tokenizer, *overrides, "trainer.steps=2", checkpoints=store)
+    state, _, files = store.saved[2]
+    assert state["in_flight"]["steps"] == [2, 3]
+    assert state["in_flight"]["complete_samples"] == state["in_flight"]["samples"] == 32
     resumed = run_fake(composer, tokenizer, *overrides, "trainer.steps=4", checkpoints=store)
-    trained = [c.prompts for c in whole.journal.calls("generate")][:4]
-    split = [c.prompts for c in first.journal.calls("generate")][:2] + [
-        c.prompts for c in resumed.journal.calls("generate")
-    ][:2]
-    assert split == trained  # no step's prompts lost or repeated
+    assert trained_responses(first) + trained_responses(resumed) == trained_responses(whole)
+    assert stable(first.log.records[:2]) + stable(resumed.log.records) == stable(whole.log.records)
     assert resumed.log.rewinds == [2]
-    assert [s for s, _ in resumed.log.records] == [3, 4]
-    # the resumed run generates its first batch with the resumed weights
-    assert resumed.rollout.jobs[0]["version"] == 2
+    # the batches of steps 3 and 4 come from the checkpoint: the engine's first job is step 5's
+    assert resumed.rollout.jobs[0]["prompts"] == whole.rollout.jobs[4]["prompts"]
+    restored = [m["async/restored_tokens"] for _, m in resumed.log.records]
+    assert restored == [m["response/tokens"] for _, m in resumed.log.records]
+    assert [m["async/sampled_tokens"] for _, m in resumed.log.records] == [0.0, 0.0]
+
+
+def test_a_record_this_run_cannot_use_is_said_and_generated_again(composer, tokenizer, capsys):
+    overrides = ("rollout.mode=async", "rollout.queue_batches=2", "rollout.max_staleness=2")
+    whole = run_fake(composer, tokenizer, *overrides, "trainer.steps=3")
+    store = MemoryCheckpoints()
+    run_fake(composer, tokenizer, *overrides, "trainer.steps=2", checkpoints=store)
+    resumed = run_fake(
+        composer, tokenizer, *overrides, "trainer.steps=3", "rollout.temperature=0.5",
+        checkpoints=store,
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert "2 batches in flight at the checkpoint are generated again" in err
+    assert "sampled with other settings" in err
+    # the sampler went back before them: step 3's prompts, generated anew
+    assert resumed.rollout.jobs[0]["prompts"] == whole.rollout.jobs[2]["prompts"]
+    assert [m["async/restored_tokens"] for _, m in resumed.log.records] == [0.0]
+
+
+def test_restored_groups_past_a_lower_bound_are_dropped_and_counted(composer, tokenizer):
+    overrides = ("rollout.mode=async", "rollout.queue_batches=3")
+    store = MemoryCheckpoints()
+    run_fake(
+        composer, tokenizer, *overrides, "rollout.max_staleness=3", "trainer.steps=2",
+        checkpoints=store,
+    )  # fmt: skip
+    # steps 3..5 were generated with version 0 (bound 3); resumed with a bound of 1
+    resumed = run_fake(
+        composer, tokenizer, *overrides, "rollout.max_staleness=1", "trainer.steps=3",
+        checkpoints=store,
+    )  # fmt: skip
+    (_, metrics), = resumed.log.records
+    assert metrics["async/dropped_samples"] == 16  # step 3's whole batch: lag 2 > 1
+    assert metrics["sampling/groups_used"] == 0
 
 
 def test_evaluation_goes_before_queued_batches_with_current_weights(composer, tokenizer):

@@ -74,7 +74,7 @@ def generator_settings(cfg: RunConfig, policy: TrainingEngine, record_routes: bo
         max_sequence_length=max_length,
         record_routes=record_routes,
         route_shape=(policy.config.num_layers, policy.config.moe_router_topk or 0),
-        partial=cfg.rollout.mode == "async",
+        partial=cfg.rollout.mode == "async" and not cfg.rollout.pin_versions,
         seed=cfg.seed,
         device=str(accelerator()) if torch.cuda.is_available() else "cpu",
     )

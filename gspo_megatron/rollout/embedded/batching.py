@@ -7,6 +7,11 @@ decoder (rollout/embedded/decoders.py, torch_decoder.py) and emits a `RolloutSam
 sequence. The batch asks its `Generator` for new weights before every decode step
 (`refresh_weights`): when they changed, every row's tokens so far are fed again under them and
 generation goes on (a partial rollout), each token keeping the version that sampled it.
+
+A sequence may come with a `prefix`: the partial response of a job continued from a checkpoint
+(or from a snapshot). Its tokens are fed like the prompt's, keep their log-probs and versions,
+and sampling goes on at the next response position with the same per-sequence uniforms, so a
+continued response is the one the uninterrupted sequence would have produced from there.
 """
 
 from __future__ import annotations
@@ -40,16 +45,28 @@ class Generator(Protocol):
 class GenerationSequence:
     key: int  # prompt index * n + sample index: the sample's place in the call's output
     prompt: list[int]
-    budget: int  # response tokens allowed
+    budget: int  # response tokens allowed (the prefix's included)
+    prefix: RolloutSample | None = None  # a partial response to continue (not complete)
+
+    @property
+    def fed(self) -> int:
+        """Tokens fed before the first one this batch samples."""
+        return len(self.prompt) + (len(self.prefix.response_ids) if self.prefix else 0)
+
+
+# Per-row state a compaction keeps in step.
+_ROW_FIELDS = ("tokens", "logprobs", "start", "first", "resume", "end", "rows", "alive", "stopped")
 
 
 class GenerationBatch:
     """One batch of sequences generated together with a static KV cache.
 
     Sequences live in "slots" (cache positions shared by all rows). Row b's prompt fills slots
-    start[b] .. first[b]-1 and its response first[b] .. ; with a left-padding decoder the
-    prompts are right-aligned (every response starts at the same slot), otherwise they start at
-    slot 0 and rows with longer prompts are fed their own prompt tokens while others sample.
+    start[b] .. first[b]-1 and its response first[b] .. ; a continued row's prefix fills
+    first[b] .. resume[b]-1 and sampling starts at resume[b] (= first[b] without a prefix).
+    With a left-padding decoder the fed tokens are right-aligned (every row samples from the
+    same slot on), otherwise they start at slot 0 and rows with more fed tokens are fed their
+    own while others sample.
     """
 
     def __init__(
@@ -66,16 +83,19 @@ class GenerationBatch:
         device = engine.device
         rows = len(seqs)
         lengths = [len(s.prompt) for s in seqs]
-        longest = max(lengths)
-        starts = [longest - n if self.decoder.left_pad else 0 for n in lengths]
+        fed = [s.fed for s in seqs]
+        longest = max(fed)
+        starts = [longest - n if self.decoder.left_pad else 0 for n in fed]
         self.total = max(b + n + s.budget for b, n, s in zip(starts, lengths, seqs, strict=True))
+        prefixes = [s.prefix.response_ids if s.prefix else [] for s in seqs]
         tokens = [
-            [0] * b + s.prompt + [0] * (self.total - b - len(s.prompt))
-            for b, s in zip(starts, seqs, strict=True)
+            [0] * b + s.prompt + done + [0] * (self.total - b - n)
+            for b, s, done, n in zip(starts, seqs, prefixes, fed, strict=True)
         ]
         self.tokens = torch.tensor(tokens, dtype=torch.long, device=device)
         self.start = torch.tensor(starts, dtype=torch.long, device=device)
         self.first = self.start + torch.tensor(lengths, device=device)
+        self.resume = self.start + torch.tensor(fed, device=device)
         self.end = self.first + torch.tensor([s.budget for s in seqs], device=device)
         self.logprobs = torch.zeros(rows, self.total, dtype=torch.float32, device=device)
         # one uniform per response position; a fixed count keeps rows independent of batching
@@ -90,7 +110,10 @@ class GenerationBatch:
             if engine.tracks_versions
             else None
         )
+        self._place_prefixes(seqs)
         self.swaps = 0
+        self.sampled = torch.zeros((), dtype=torch.int64, device=device)  # tokens sampled
+        self.slot = -1  # the last slot decided (every alive row's tokens up to it are known)
         stop_ids = sorted(set(params.stop_token_ids))
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
         self.routes = None
@@ -100,14 +123,26 @@ class GenerationBatch:
             self.routes = torch.zeros(shape, dtype=torch.int32, device=device)
         self.results: dict[int, RolloutSample] = {}  # sequence key -> sample
 
+    def _place_prefixes(self, seqs: list[GenerationSequence]) -> None:
+        """Continued rows keep their tokens' log-probs and versions."""
+        for row, s in enumerate(seqs):
+            if not s.prefix or not s.prefix.response_ids:
+                continue
+            first = int(self.first[row])
+            span = slice(first, first + len(s.prefix.response_ids))
+            self.logprobs[row, span] = torch.tensor(s.prefix.logprobs, dtype=torch.float32)
+            if self.versions is not None:
+                self.versions[row, span] = torch.tensor(s.prefix.versions(), dtype=torch.int64)
+
     def run(self) -> Iterator[None]:
         """Yields before every model forward (the lock-step driver counts forwards)."""
         self.decoder.start(self.start, self.total)
         yield
-        slot = int(self.first.min())
+        slot = int(self.resume.min())
         logits = self._prefill(slot)
         while True:
             self._choose(slot, logits)
+            self.slot = slot
             if self._finish_rows(slot):
                 return
             yield
@@ -152,11 +187,13 @@ class GenerationBatch:
         """The token at `slot` of every row: its prompt token, or a sample from `logits`."""
         rel = (slot - self.first).clamp_(min=0, max=self.uniforms.shape[1] - 1)
         tokens, logp = sample_tokens(logits, self.params, self.uniforms[self.rows, rel])
-        sampled = (slot >= self.first) & self.alive
+        sampled = (slot >= self.resume) & self.alive
         self.tokens[:, slot] = torch.where(sampled, tokens, self.tokens[:, slot])
-        self.logprobs[:, slot] = logp
+        self.logprobs[:, slot] = torch.where(sampled, logp, self.logprobs[:, slot])
         if self.versions is not None:
-            self.versions[:, slot] = self.engine.weight_version
+            version = torch.full_like(self.versions[:, slot], self.engine.weight_version)
+            self.versions[:, slot] = torch.where(sampled, version, self.versions[:, slot])
+        self.sampled += sampled.sum()
         if self.stop_ids.numel():
             self.stopped |= sampled & torch.isin(tokens, self.stop_ids)
 
@@ -196,9 +233,35 @@ class GenerationBatch:
                 token_versions=None if versions is None else versions[i, first:].tolist(),
             )
 
+    def partial(self) -> dict[int, RolloutSample]:
+        """The rows not finished, by sequence key: their response tokens so far (after the last
+        slot decided; a row still being fed its prefix has the prefix), each with its log-prob
+        and version. Routes are left out: a continuation feeds the tokens again and records
+        them anew."""
+        out = {}
+        alive = self.alive.nonzero().flatten().tolist()
+        for row in alive:
+            s = self.seqs[int(self.rows[row])]
+            first, resume = int(self.first[row]), int(self.resume[row])
+            end = max(self.slot + 1, resume)
+            versions = (
+                self.versions[row, first:end].tolist()
+                if self.versions is not None
+                else [self.engine.weight_version] * (end - first)
+            )
+            out[s.key] = RolloutSample(
+                prompt_ids=list(s.prompt),
+                response_ids=self.tokens[row, first:end].tolist(),
+                logprobs=self.logprobs[row, first:end].tolist(),
+                finish_reason="abort",
+                weight_version=self.engine.weight_version,
+                token_versions=versions,
+            )
+        return out
+
     def _compact(self, keep: torch.Tensor) -> None:
         """Drop finished rows from the batch state and the KV cache."""
-        for name in ("tokens", "logprobs", "start", "first", "end", "rows", "alive", "stopped"):
+        for name in _ROW_FIELDS:
             setattr(self, name, getattr(self, name)[keep])
         if self.routes is not None:
             self.routes = self.routes[keep]
@@ -214,8 +277,11 @@ def make_sequences(
     *,
     vocab_size: int,
     max_sequence_length: int,
+    prefixes: dict[int, RolloutSample] | None = None,
 ) -> list[GenerationSequence]:
-    """The `len(prompts) * n` sequences of a generate call, prompts checked."""
+    """The `len(prompts) * n` sequences of a generate call, prompts checked; `prefixes`: key ->
+    the partial response a sequence continues (keys absent from it start afresh)."""
+    prefixes = prefixes or {}
     seqs = []
     for p, prompt in enumerate(prompts):
         ids = [int(t) for t in prompt]
@@ -233,24 +299,56 @@ def make_sequences(
                 "(engine.max_sequence_length / model.max_position_embeddings)"
             )
         budget = min(params.max_new_tokens, room)
-        seqs.extend(GenerationSequence(p * n + j, ids, budget) for j in range(n))
+        for j in range(n):
+            prefix = prefixes.get(p * n + j)
+            if prefix is not None and len(prefix.response_ids) >= budget:
+                raise ValueError(
+                    f"prompt {p} sample {j}: a partial response of {len(prefix.response_ids)} "
+                    f"tokens has no room left within {budget}; it is complete"
+                )
+            seqs.append(GenerationSequence(p * n + j, ids, budget, prefix))
     return seqs
 
 
 def plan_batches(
     seqs: list[GenerationSequence], max_batch_tokens: int
 ) -> list[list[GenerationSequence]]:
-    """Sort by prompt length; cut into batches of at most max_batch_tokens cache slots."""
+    """Sort by tokens fed (the prompt, and a continued row's prefix); cut into batches of at most
+    max_batch_tokens cache slots."""
     batches: list[list[GenerationSequence]] = []
     current: list[GenerationSequence] = []
-    longest = 0
-    for s in sorted(seqs, key=lambda s: len(s.prompt)):
-        length = max(longest, len(s.prompt) + s.budget)
-        if current and (len(current) + 1) * length > max_batch_tokens:
+    span = _Span()
+    for s in sorted(seqs, key=lambda s: s.fed):
+        grown = span.add(s)
+        if current and (len(current) + 1) * grown.slots > max_batch_tokens:
             batches.append(current)
-            current, length = [], len(s.prompt) + s.budget
+            current, grown = [], _Span().add(s)
         current.append(s)
-        longest = length
+        span = grown
     if current:
         batches.append(current)
     return batches
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Cache slots per row of a batch: the longest prompt + budget; with continued rows, whose
+    fed tokens are aligned, the most fed plus the most left to sample (a bound either way)."""
+
+    plain: int = 0
+    fed: int = 0
+    left: int = 0
+    continued: bool = False
+
+    def add(self, s: GenerationSequence) -> _Span:
+        whole = len(s.prompt) + s.budget
+        return _Span(
+            max(self.plain, whole),
+            max(self.fed, s.fed),
+            max(self.left, whole - s.fed),
+            self.continued or s.prefix is not None,
+        )
+
+    @property
+    def slots(self) -> int:
+        return self.fed + self.left if self.continued else self.plain

@@ -17,11 +17,24 @@ memory:
 Jobs carry `min_version`: the process starts a job only with weights at least that new (the
 staleness bound; it waits for them otherwise), evaluation jobs go before queued training jobs,
 and each result reports how long the process waited for jobs and for weights.
+
+Without `partial` (one_step_off, and async with rollout.pin_versions) a job is *pinned*: it is
+sampled by exactly one version, the newest published when it was submitted (or its
+`min_version`, if newer). The trainer's next weight update waits until every job pinned to an
+older version has started (taken its weights), so the version it needs is still in the staging
+copy: which weights sample which batch does not depend on timing, and a run is deterministic.
+
+A checkpoint asks for a snapshot (`snapshot`): the process answers between two tokens (with
+`partial`; the job running is suspended, its rows' tokens so far recorded, and it goes on as a
+continuation of that record) or between two jobs (pinned: the job running finishes first, since
+a resumed run no longer has its weights), with the progress of every job it holds. A job given
+`progress` continues it: finished samples are kept, partial ones go on from their tokens.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -35,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from gspo_megatron.rollout.base import (
+    JobProgress,
     JobStats,
     RolloutSample,
     RolloutUnavailableError,
@@ -68,7 +82,8 @@ class GeneratorSettings:
     max_sequence_length: int
     record_routes: bool
     route_shape: tuple[int, int]  # (layers, top-k) of recorded routes
-    partial: bool  # take new weights between tokens (async); else only between jobs
+    # take new weights between tokens (async); else each job is pinned to one version
+    partial: bool
     seed: int  # for calls without SamplingParams.seed
     device: str = "cpu"
     threads: int = 1
@@ -82,6 +97,20 @@ class _Job:
     params: SamplingParams
     min_version: int
     urgent: bool
+    pinned: int | None = None  # the one version that samples it (without `partial`)
+    progress: JobProgress | None = None  # what to continue (a checkpoint's, or a suspension's)
+    stats: JobStats | None = None  # what it cost before a suspension
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A checkpoint's request: the progress of every job the process holds."""
+
+    snapshot_id: int
+
+
+class _Suspended(Exception):
+    """Raised between two tokens when a snapshot is due (partial rollouts only)."""
 
 
 class GeneratorProcessEngine:
@@ -107,9 +136,14 @@ class GeneratorProcessEngine:
         self.leader = leader
         self.version = -1
         self._ids = itertools.count()
+        self._snapshot_ids = itertools.count(1)
         self._futures: dict[int, concurrent.futures.Future] = {}
-        self._lock_futures = threading.Lock()
+        self._snapshots: dict[int, concurrent.futures.Future] = {}
+        # pinned jobs not started yet: job id -> version (a weight update waits for them)
+        self._unstarted: dict[int, int] = {}
+        self._changed = threading.Condition()  # guards the three dicts above
         self._closed = False
+        self._gone: str | None = None  # why the process can generate nothing more
         if not leader:
             return
         ctx = torch.multiprocessing.get_context("spawn")
@@ -121,6 +155,7 @@ class GeneratorProcessEngine:
         self._published = ctx.Value("q", -1)
         self._jobs = ctx.Queue()
         self._results = ctx.Queue()
+        self._snapshot_wanted = ctx.Value("q", 0)
         self._process = ctx.Process(
             target=_generator_main,
             args=(
@@ -132,6 +167,7 @@ class GeneratorProcessEngine:
                 self._jobs,
                 self._results,
                 os.getpid(),
+                self._snapshot_wanted,
             ),
             name="gspo-generator",
             daemon=True,
@@ -151,30 +187,66 @@ class GeneratorProcessEngine:
         *,
         min_version: int | None = None,
         urgent: bool = False,
+        progress: JobProgress | None = None,
     ) -> concurrent.futures.Future:
         """Queue a job; its future gives the samples grouped per prompt, and then holds the
         job's `JobStats` as `job_stats`.
 
         The process starts it with weights of version >= `min_version` (default: the version
-        published last); `urgent` jobs go before queued ones.
+        published last); pinned (without partial rollouts), with exactly the newest version
+        published now, or `min_version` if newer. `urgent` jobs go before queued ones.
+        `progress`: continue its samples (a checkpoint's record).
         """
         if not self.leader:
             raise RuntimeError("the generator process is driven by rank 0 only")
-        if self._closed:
-            raise GeneratorProcessError("generate() on a closed generator process")
+        if self._closed or self._gone:
+            raise GeneratorProcessError(self._gone or "generate() on a closed generator process")
+        floor = self.version if min_version is None else min_version
         job = _Job(
             job_id=next(self._ids),
             prompts=[[int(t) for t in p] for p in prompts],
             n=n,
             params=params,
-            min_version=self.version if min_version is None else min_version,
+            min_version=floor,
             urgent=urgent,
+            pinned=None if self.settings.partial else max(self.version, floor),
+            progress=progress,
         )
         future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock_futures:
+        future.job_id = job.job_id  # type: ignore[attr-defined]
+        with self._changed:
             self._futures[job.job_id] = future
+            if job.pinned is not None:
+                self._unstarted[job.job_id] = job.pinned
         self._jobs.put(job)
         return future
+
+    def snapshot(self, jobs: Sequence[concurrent.futures.Future]) -> list[JobProgress]:
+        """The progress of `jobs` (this engine's futures), for a checkpoint: answered by the
+        process between two tokens (partial rollouts: the job running goes on from the record)
+        or, pinned, once the job running has finished (see the module's docstring)."""
+        if not self.leader:
+            raise RuntimeError("the generator process is driven by rank 0 only")
+        snapshot_id = next(self._snapshot_ids)
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        with self._changed:
+            if self._closed or self._gone:
+                raise GeneratorProcessError(self._gone or "snapshot() of a closed process")
+            self._snapshots[snapshot_id] = answer
+        self._jobs.put(_Snapshot(snapshot_id))
+        self._snapshot_wanted.value = snapshot_id  # interrupts a job between two tokens
+        held = answer.result()
+        out = []
+        for job in jobs:
+            if job.done():
+                out.append(JobProgress.finished(job.result()))
+            elif job.job_id in held:
+                out.append(held[job.job_id])
+            else:
+                raise GeneratorProcessError(
+                    f"the generator process does not hold job {job.job_id} it was given"
+                )
+        return out
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
@@ -196,6 +268,7 @@ class GeneratorProcessEngine:
                 pass
             self.version = version
             return
+        self._wait_for_pinned_jobs(version)
         with self._lock:
             seen = set()
             for bucket in source.buckets(_BUCKET_BYTES):
@@ -217,10 +290,21 @@ class GeneratorProcessEngine:
     def fault_metrics(self) -> dict[str, float]:
         return {}
 
+    def _wait_for_pinned_jobs(self, version: int) -> None:
+        """Pinned jobs of versions older than `version` take their weights from the staging
+        copy before it is overwritten (they have all been submitted, and started in order)."""
+        with self._changed:
+            while any(v < version for v in self._unstarted.values()):
+                if self._closed:
+                    return
+                self._changed.wait(timeout=1.0)
+
     def close(self) -> None:
         if self._closed:
             return
-        self._closed = True
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
         if not self.leader:
             return
         # Jobs in flight are abandoned: the process holds nothing worth waiting for.
@@ -253,9 +337,23 @@ class GeneratorProcessEngine:
             except (EOFError, OSError) as err:
                 self._fail_pending(f"the generator process's result queue broke ({err})")
                 return
-            job_id, samples, stats, error = item
-            with self._lock_futures:
-                future = self._futures.pop(job_id, None)
+            kind, key, *payload = item
+            if kind == "started":
+                with self._changed:
+                    self._unstarted.pop(key, None)
+                    self._changed.notify_all()
+                continue
+            if kind == "snapshot":
+                with self._changed:
+                    answer = self._snapshots.pop(key, None)
+                if answer is not None:
+                    answer.set_result(payload[0])
+                continue
+            samples, stats, error = payload
+            with self._changed:
+                future = self._futures.pop(key, None)
+                self._unstarted.pop(key, None)
+                self._changed.notify_all()
             if future is None:
                 continue
             if error is not None:
@@ -267,9 +365,12 @@ class GeneratorProcessEngine:
                 future.set_result(samples)
 
     def _fail_pending(self, reason: str) -> None:
-        with self._lock_futures:
-            pending, self._futures = self._futures, {}
-        for future in pending.values():
+        with self._changed:
+            pending = [*self._futures.values(), *self._snapshots.values()]
+            self._futures, self._snapshots, self._unstarted = {}, {}, {}
+            self._gone = reason
+            self._changed.notify_all()
+        for future in pending:
             if not future.done():
                 future.set_exception(GeneratorProcessError(reason))
 
@@ -291,6 +392,7 @@ class ProcessGenerator:
         lock,
         published,
         parent: int | None = None,
+        snapshot_wanted=None,
     ) -> None:
         self.settings = settings
         self.parent = parent  # the trainer's pid: generation stops when it is gone
@@ -304,6 +406,10 @@ class ProcessGenerator:
         self.weights = None
         self.decoder = TorchDecoder(settings.spec, lambda: self.weights, settings.record_routes)
         self.swaps = 0
+        self.sampled = 0  # tokens sampled by the job running
+        # the last snapshot the trainer asked for (a shared counter) and the last one answered
+        self.snapshot_wanted = snapshot_wanted
+        self.snapshots_answered = 0
 
     def take_weights(self) -> bool:
         """Copy the published weights if they are newer than ours; True when they were."""
@@ -319,79 +425,156 @@ class ProcessGenerator:
         )
         return True
 
+    def snapshot_due(self) -> bool:
+        wanted = self.snapshot_wanted
+        return wanted is not None and wanted.value > self.snapshots_answered
+
     def refresh_weights(self) -> bool:
         if self.parent is not None and os.getppid() != self.parent:
             raise SystemExit(0)  # the trainer is gone (killed): so is everything generated
-        if not self.settings.partial or not self.take_weights():
+        if not self.settings.partial:
+            return False  # pinned: the job keeps its version; a snapshot waits for it to end
+        if self.snapshot_due():
+            raise _Suspended
+        if not self.take_weights():
             return False
         self.swaps += 1
         return True
 
-    def run(self, job: _Job) -> list[list[RolloutSample]]:
+    def run(self, job: _Job) -> tuple[list[list[RolloutSample]] | None, JobProgress | None]:
+        """(the samples, None), or (None, the job's progress) when a snapshot suspended it."""
         s = self.settings
+        done: dict[int, RolloutSample] = {}
+        prefixes: dict[int, RolloutSample] = {}
+        if job.progress is not None:
+            pairs = zip(job.progress.samples, job.progress.done, strict=True)
+            for p, (group, flags) in enumerate(pairs):
+                for j, (sample, complete) in enumerate(zip(group, flags, strict=True)):
+                    key = p * job.n + j
+                    if complete:
+                        done[key] = sample
+                    elif sample.response_ids:
+                        prefixes[key] = sample
         seqs = make_sequences(
             job.prompts,
             job.n,
             job.params,
             vocab_size=s.spec.vocab_size,
             max_sequence_length=s.max_sequence_length,
+            prefixes=prefixes,
         )
         seed = job.params.seed
         if seed is None:
             seed = sequence_seed(s.seed, job.job_id)
-        results: dict[int, RolloutSample] = {}
-        with torch.no_grad():
-            for chunk in plan_batches(seqs, s.max_batch_tokens):
-                batch = GenerationBatch(self, chunk, job.params, seed)
-                for _ in batch.run():
-                    pass
-                results.update(batch.results)
-        return [[results[p * job.n + j] for j in range(job.n)] for p in range(len(job.prompts))]
+        results = dict(done)
+        chunks = plan_batches([q for q in seqs if q.key not in done], s.max_batch_tokens)
+        batch = None
+        try:
+            with torch.no_grad():
+                for chunk in chunks:
+                    batch = GenerationBatch(self, chunk, job.params, seed)
+                    for _ in batch.run():
+                        pass
+                    results.update(batch.results)
+                    self.sampled += int(batch.sampled)
+        except _Suspended:
+            self.sampled += int(batch.sampled)
+            results.update(batch.results)
+            partial = batch.partial()
+            progress = JobProgress.empty(job.prompts, job.n)
+            for p in range(len(job.prompts)):
+                for j in range(job.n):
+                    key = p * job.n + j
+                    sample = results.get(key) or partial.get(key) or prefixes.get(key)
+                    if sample is not None:
+                        progress.samples[p][j] = sample
+                        progress.done[p][j] = key in results
+            return None, progress
+        return [
+            [results[p * job.n + j] for j in range(job.n)] for p in range(len(job.prompts))
+        ], None
 
 
-def _generator_main(settings, staging, rope_table, lock, published, jobs, results, parent):
+def _generator_main(
+    settings, staging, rope_table, lock, published, jobs, results, parent, snapshot_wanted
+):
     torch.set_num_threads(settings.threads)
     if settings.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(settings.device))
-    generator = ProcessGenerator(settings, staging, rope_table, lock, published, parent)
+    generator = ProcessGenerator(
+        settings, staging, rope_table, lock, published, parent, snapshot_wanted
+    )
     pending: list[_Job] = []
     idle_s = weights_wait_s = 0.0
     while True:
-        # Take what has arrived; block (briefly) only when there is nothing to do.
+        # Take what has arrived; block (briefly) only when there is nothing to do, or when a
+        # snapshot is due (its request follows the jobs submitted before it).
         since = time.monotonic()
         try:
             while True:
-                job = jobs.get(timeout=0.5) if not pending else jobs.get_nowait()
-                if job is None:
+                block = not pending or generator.snapshot_due()
+                item = jobs.get(timeout=0.5) if block else jobs.get_nowait()
+                if item is None:
                     return
-                pending.append(job)
+                if isinstance(item, _Snapshot):
+                    held = {j.job_id: _progress_of(j) for j in pending}
+                    results.put(("snapshot", item.snapshot_id, held))
+                    generator.snapshots_answered = item.snapshot_id
+                    continue
+                pending.append(item)
         except queue.Empty:
             pass
         if os.getppid() != parent:
             return  # the trainer is gone
-        if not pending:
+        if not pending or generator.snapshot_due():
             idle_s += time.monotonic() - since
             continue
         # Urgent jobs first, then submission order; the next job waits for its weights
-        # (the staleness bound) while newly arrived urgent ones may still overtake it.
+        # (the staleness bound; a pinned job for its version) while newly arrived urgent ones
+        # may still overtake it.
         job = min(pending, key=lambda j: (not j.urgent, j.job_id))
-        if published.value < max(job.min_version, 0):
+        if published.value < max(job.min_version, job.pinned or 0, 0):
             time.sleep(_POLL_S)
             weights_wait_s += time.monotonic() - since
             continue
         pending.remove(job)
         generator.take_weights()
-        stats = JobStats(idle_s=idle_s, weights_wait_s=weights_wait_s)
-        idle_s = weights_wait_s = 0.0
-        generator.swaps = 0
-        started = time.monotonic()
-        try:
-            samples = generator.run(job)
-        except Exception as err:  # noqa: BLE001 - reported to the trainer with its traceback
-            results.put(
-                (job.job_id, None, None, (f"{type(err).__name__}: {err}", traceback.format_exc()))
+        if job.pinned is not None and generator.weight_version != job.pinned:
+            _report_failure(
+                results,
+                job,
+                RuntimeError(
+                    f"job {job.job_id} is pinned to weight version {job.pinned}, but version "
+                    f"{generator.weight_version} was published before it started"
+                ),
             )
             continue
-        stats.generate_s = time.monotonic() - started
-        stats.weight_swaps = generator.swaps
-        results.put((job.job_id, samples, stats, None))
+        results.put(("started", job.job_id, generator.weight_version))
+        stats = job.stats or JobStats()
+        stats.idle_s += idle_s
+        stats.weights_wait_s += weights_wait_s
+        idle_s = weights_wait_s = 0.0
+        generator.swaps = generator.sampled = 0
+        started = time.monotonic()
+        try:
+            samples, progress = generator.run(job)
+        except Exception as err:  # noqa: BLE001 - reported to the trainer with its traceback
+            _report_failure(results, job, err)
+            continue
+        stats.generate_s += time.monotonic() - started
+        stats.weight_swaps += generator.swaps
+        stats.sampled_tokens += generator.sampled
+        if progress is not None:
+            # Suspended for a snapshot: it goes on from what the snapshot records, first.
+            pending.insert(0, dataclasses.replace(job, progress=progress, stats=stats))
+            continue
+        results.put(("result", job.job_id, samples, stats, None))
+
+
+def _progress_of(job: _Job) -> JobProgress:
+    return job.progress or JobProgress.empty(job.prompts, job.n)
+
+
+def _report_failure(results, job: _Job, err: BaseException) -> None:
+    line = f"{type(err).__name__}: {err}"
+    results.put(("result", job.job_id, None, None, (line, traceback.format_exc())))

@@ -53,6 +53,13 @@ def check(cfg: RunConfig) -> None:
             "servers colocated with the trainer on its GPUs, where generation and training take "
             "turns; overlapping them needs servers of their own (weight_sync=distributed or disk)"
         )
+    if cfg.rollout.pin_versions:
+        raise ConfigError(
+            "rollout.pin_versions with rollout.engine=sglang: pinning makes the embedded "
+            "engine's runs deterministic; servers are not (their batching changes the numbers), "
+            "and a server holds only its newest weights. Leave it false (one_step_off waits for "
+            "the requests running before each update: one version per batch)"
+        )
     if mode != "sync" and sglang.offload_after_generate:
         raise ConfigError(
             f"rollout.sglang.offload_after_generate with rollout.mode={mode}: batches generate "

@@ -28,6 +28,7 @@ from gspo_megatron.event_loop import LoopThread
 from gspo_megatron.network import free_port
 from gspo_megatron.rollout.base import (
     FinishReason,
+    JobProgress,
     JobStats,
     RolloutSample,
     SamplingParams,
@@ -112,6 +113,18 @@ class _Response:
         # holds the routes of every token, from the weights that finished the response.
         self.routed_experts = out.routed_experts
 
+    @classmethod
+    def of(cls, sample: RolloutSample) -> _Response:
+        """A checkpoint's partial sample, to continue."""
+        return cls(
+            list(sample.response_ids),
+            list(sample.logprobs),
+            list(sample.versions()),
+            sample.finish_reason,
+            sample.weight_version,
+            sample.routed_experts,
+        )
+
     def sample(self, prompt: list[int]) -> RolloutSample:
         spans = len(set(self.versions)) > 1
         return RolloutSample(
@@ -122,6 +135,32 @@ class _Response:
             weight_version=self.version,
             routed_experts=self.routed_experts,
             token_versions=self.versions if spans else None,
+        )
+
+
+@dataclass
+class _Job:
+    """One generate job's samples as they stand (flat: prompt-major), read by `snapshot`."""
+
+    prompts: list[list[int]]  # per sample
+    n: int
+    responses: list[_Response]
+    done: list[bool]
+
+    @classmethod
+    def start(cls, prompts: Sequence[Sequence[int]], n: int, progress: JobProgress | None) -> _Job:
+        flat = [list(p) for p in prompts for _ in range(n)]
+        if progress is None:
+            return cls(flat, n, [_Response() for _ in flat], [False] * len(flat))
+        samples = [s for group in progress.samples for s in group]
+        done = [d for flags in progress.done for d in flags]
+        return cls(flat, n, [_Response.of(s) for s in samples], done)
+
+    def progress(self) -> JobProgress:
+        samples = [r.sample(p) for p, r in zip(self.prompts, self.responses, strict=True)]
+        rows = range(0, len(samples), self.n)
+        return JobProgress(
+            [samples[i : i + self.n] for i in rows], [self.done[i : i + self.n] for i in rows]
         )
 
 
@@ -280,6 +319,7 @@ class SGLangEngine:
         *,
         min_version: int | None = None,
         urgent: bool = False,
+        progress: JobProgress | None = None,
     ) -> concurrent.futures.Future[list[list[RolloutSample]]]:
         """`generate` running on the client's loop; the caller may update weights meanwhile
         (stale servers': `servers_to_resync`, `update_weights(..., urls=...)`; every server's,
@@ -288,7 +328,8 @@ class SGLangEngine:
         The job's requests start once the engine's weights are at least `min_version` (default:
         the current version), and an answer from older weights is never used. `urgent` (the
         generator process jumps its queue with it) changes nothing here: every job's requests
-        share the servers at once, so none waits behind another.
+        share the servers at once, so none waits behind another. `progress` (a checkpoint's):
+        complete samples are kept, partial ones continue from their tokens with their seeds.
         """
         del urgent
         if not self.leader:
@@ -300,21 +341,29 @@ class SGLangEngine:
                 raise ValueError(f"prompt {i} is empty; SGLang rejects empty input_ids")
         stats = JobStats()
         floor = self.version if min_version is None else min_version
-        future = self._loop.submit(self._agenerate(prompts, n, params, floor, stats))
+        job = _Job.start(prompts, n, progress)
+        future = self._loop.submit(self._agenerate(job, params, floor, stats))
         future.job_stats = stats  # type: ignore[attr-defined]
+        future.job = job  # type: ignore[attr-defined]
         self._jobs.add(future)
         future.add_done_callback(self._jobs.discard)
         return future
 
+    def snapshot(self, jobs: Sequence[concurrent.futures.Future]) -> list[JobProgress]:
+        """The samples of `jobs` as the client holds them: complete ones, and each partial one's
+        tokens up to its last answer (async: the weight update before a checkpoint aborts the
+        requests running and collects their tokens). Tokens of a request still running are
+        not in it: a resumed run samples them again. The jobs go on undisturbed."""
+
+        async def read() -> list[JobProgress]:
+            return [job.job.progress() for job in jobs]
+
+        return self._run(read())
+
     async def _agenerate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        params: SamplingParams,
-        min_version: int,
-        stats: JobStats,
+        self, job: _Job, params: SamplingParams, min_version: int, stats: JobStats
     ) -> list[list[RolloutSample]]:
-        if not prompts:
+        if not job.prompts:
             return []
         submitted = time.monotonic()
         if self._jobs_running == 0:
@@ -328,51 +377,48 @@ class SGLangEngine:
                 )
             started = time.monotonic()
             stats.weights_wait_s = started - submitted
-            samples = await self._generate_all(prompts, n, params, min_version)
+            await self._generate_all(job, params, min_version, stats)
             stats.generate_s = time.monotonic() - started
             stats.weight_swaps = self._swaps - swaps
-            return samples
+            return job.progress().samples
         finally:
             self._jobs_running -= 1
             if self._jobs_running == 0:
                 self._idle_since = time.monotonic()
 
     async def _generate_all(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, min_version: int
-    ) -> list[list[RolloutSample]]:
+        self, job: _Job, params: SamplingParams, min_version: int, stats: JobStats
+    ) -> None:
         await self._ensure_resident(MEMORY_TAGS)
-        flat_prompts = [list(p) for p in prompts for _ in range(n)]
         base = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
-        seeds = sample_seeds(base, len(flat_prompts))
+        seeds = sample_seeds(base, len(job.prompts))  # by the sample's place: a resume's too
+        todo = [k for k, done in enumerate(job.done) if not done]
         step = self.cfg.samples_per_request
-        chunks = [
-            range(s, min(s + step, len(flat_prompts))) for s in range(0, len(flat_prompts), step)
-        ]
-        results = await _gather_or_cancel(
-            [
-                self._generate_chunk(
-                    [flat_prompts[k] for k in c], [seeds[k] for k in c], params, min_version
-                )
-                for c in chunks
-            ]
+        chunks = [todo[s : s + step] for s in range(0, len(todo), step)]
+        await _gather_or_cancel(
+            [self._generate_chunk(job, c, seeds, params, min_version, stats) for c in chunks]
         )
-        samples = [s for chunk in results for s in chunk]
         if self.cfg.offload_after_generate:
             await self._release(MEMORY_TAGS)
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     async def _generate_chunk(
-        self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, min_version: int
-    ) -> list[RolloutSample]:
-        """The samples of one /generate request. With partial rollouts, the samples that a
-        weight swap aborted continue once the new weights are in: their prompt plus the tokens
-        they have, the same seeds, the tokens they may still generate (no re-tokenisation)."""
-        responses = [_Response() for _ in prompts]
-        todo = list(range(len(prompts)))
+        self,
+        job: _Job,
+        todo: list[int],
+        seeds: list[int],
+        params: SamplingParams,
+        min_version: int,
+        stats: JobStats,
+    ) -> None:
+        """The samples `todo` of a job, one /generate request at a time. With partial rollouts,
+        the samples that a weight swap aborted continue once the new weights are in: their
+        prompt plus the tokens they have, the same seeds, the tokens they may still generate (no
+        re-tokenisation); so do a checkpoint's partial samples."""
+        responses = job.responses
         while todo:
             swaps = self._swaps
             outs = await self._request(
-                [prompts[i] + responses[i].ids for i in todo],
+                [job.prompts[i] + responses[i].ids for i in todo],
                 [seeds[i] for i in todo],
                 params,
                 [params.max_new_tokens - len(responses[i].ids) for i in todo],
@@ -383,7 +429,9 @@ class SGLangEngine:
             for i, out in zip(todo, outs, strict=True):
                 response = responses[i]
                 response.extend(out, self._version_of(out))
+                stats.sampled_tokens += len(out.output_ids)
                 if not (swapped and out.finish_reason == "abort"):
+                    job.done[i] = True
                     continue
                 if response.ids and response.ids[-1] in params.stop_token_ids:
                     response.finish_reason = "stop"  # stopped as the swap came
@@ -391,10 +439,11 @@ class SGLangEngine:
                     response.finish_reason = "length"
                 else:
                     unfinished.append(i)
+                    continue
+                job.done[i] = True
             if unfinished:
                 await self._weights_settled.wait()
             todo = unfinished
-        return [r.sample(p) for p, r in zip(prompts, responses, strict=True)]
 
     async def _request(
         self,
