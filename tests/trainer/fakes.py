@@ -22,6 +22,7 @@ import copy
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -865,7 +866,7 @@ class MemoryCheckpoints:
 
     def save(
         self, engine: FakePolicy, step: int, state: dict[str, Any], companions, files=None
-    ) -> None:
+    ) -> int:
         weights = {"": engine.state_dict()}
         weights.update({name: e.state_dict() for name, e in companions.items()})
         # the files as a checkpoint holds them: torch.save, read back with weights_only
@@ -875,6 +876,7 @@ class MemoryCheckpoints:
             torch.save(obj, buffer)
             stored[name] = buffer.getvalue()
         self.saved[step] = (copy.deepcopy(state), weights, stored)
+        return step  # the checkpoint's "path"
 
     def resume(self, engine: FakePolicy, mode: str, companions) -> dict[str, Any] | None:
         if mode == "never" or not self.saved:
@@ -886,6 +888,38 @@ class MemoryCheckpoints:
 
     def read_file(self, name: str):
         return torch.load(io.BytesIO(self._files[name]), weights_only=True)
+
+    @property
+    def resumed(self) -> int:
+        """The step resumed from: the fake's 'path' of a checkpoint is its step."""
+        return max(self.saved)
+
+
+class FakeExporter:
+    """HFExporter's interface: `exports` lists the checkpoints exported (their steps, which
+    MemoryCheckpoints gives as paths), `held` those holding an export, `leftovers` those
+    holding an interrupted one; `fail` makes every export fail verification."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail = fail
+        self.exports: list[int] = []
+        self.held: set[int] = set()
+        self.leftovers: set[int] = set()
+
+    def export(self, step: int, checkpoint):
+        """An ExportResult's `ok` and `message` (the trainer reads nothing else)."""
+        self.exports.append(checkpoint)
+        self.held.add(checkpoint)
+        said = "FAILED verification" if self.fail else "verified"
+        return SimpleNamespace(ok=not self.fail, message=f"step {step}: HF export {said} (fake)")
+
+    def present(self, checkpoint) -> bool:
+        return checkpoint in self.held
+
+    def clear_leftovers(self, checkpoint) -> list[str]:
+        found = checkpoint in self.leftovers
+        self.leftovers.discard(checkpoint)
+        return ["hf.tmp-fake"] if found else []
 
 
 class NullWatchdog:
@@ -941,6 +975,7 @@ def build_fake_run(
     checkpoints: MemoryCheckpoints | None = None,
     lr: float = 0.5,
     rollout_from_backend: bool = False,
+    exporter=None,
 ) -> FakeRun:
     """The trainer gspo-train builds (components.build_trainer), with fake engines and stores.
     The rollout engine is a fake one of the rollout.mode's kind, or with `rollout_from_backend`
@@ -1017,5 +1052,6 @@ def build_fake_run(
         weight_source=source,
         reference=reference,
         critic=critic,
+        exporter=exporter,
     )
     return run

@@ -170,7 +170,7 @@ def test_restored_groups_past_a_lower_bound_are_dropped_and_counted(composer, to
         composer, tokenizer, *overrides, "rollout.max_staleness=1", "trainer.steps=3",
         checkpoints=store,
     )  # fmt: skip
-    (_, metrics), = resumed.log.records
+    ((_, metrics),) = resumed.log.records
     assert metrics["async/dropped_samples"] == 16  # step 3's whole batch: lag 2 > 1
     assert metrics["sampling/groups_used"] == 0
 
@@ -221,6 +221,20 @@ def test_evaluation_goes_before_queued_batches_with_current_weights(composer, to
             ["rollout.partial_rollout_mask", "rollout.mode=async"],
             "only between batches",
         ),
+        (
+            ("rollout.mode=one_step_off", "rollout.pin_versions=true"),
+            ["rollout.pin_versions", "rollout.mode=one_step_off"],
+            "always samples a batch with one version",
+        ),
+        (
+            (
+                "rollout.mode=async",
+                "rollout.pin_versions=true",
+                "rollout.partial_rollout_mask=true",
+            ),
+            ["rollout.partial_rollout_mask", "rollout.pin_versions"],
+            "nothing to mask",
+        ),
     ],
     ids=[
         "negative-staleness",
@@ -230,6 +244,8 @@ def test_evaluation_goes_before_queued_batches_with_current_weights(composer, to
         "dapo",
         "mask-in-sync",
         "mask-in-one-step-off",
+        "pin-in-one-step-off",
+        "pin-with-mask",
     ],
 )
 def test_refused_combinations_name_their_keys(composer, overrides, keys, reason):
@@ -251,15 +267,29 @@ def test_refused_combinations_name_their_keys(composer, overrides, keys, reason)
             ["rollout.sglang.offload_after_generate", "rollout.mode=one_step_off"],
             "cannot leave",
         ),
+        ("async", {"weight_sync": "disk", "disk_dir": "/tmp/w"},
+         ["rollout.pin_versions", "rollout.engine=sglang"], "servers are not"),
     ],
-    ids=["sglang-tensor", "sglang-offload"],
+    ids=["sglang-tensor", "sglang-offload", "sglang-pinned"],
 )  # fmt: skip
 def test_refused_sglang_combinations_name_their_keys(composer, mode, sglang, keys, reason):
     from gspo_megatron.config import resolve
 
-    raw = composer.raw(*SMALL, "rollout=sglang", f"rollout.mode={mode}")
+    pinned = ("rollout.pin_versions=true",) if "rollout.pin_versions" in keys else ()
+    raw = composer.raw(*SMALL, "rollout=sglang", f"rollout.mode={mode}", *pinned)
     raw["rollout"]["sglang"].update(urls=["http://127.0.0.1:1"], **sglang)
     with pytest.raises(ConfigError) as err:
         resolve(raw, 1)
     for key in (*keys, reason):
         assert key in str(err.value)
+
+
+def test_an_export_the_mapping_cannot_write_is_refused_at_config_time(composer):
+    from gspo_megatron.config import resolve
+
+    raw = composer.raw("trainer.export_hf_every=2")
+    raw["model"]["attention_bias"] = True  # a Qwen3 variant the HF mapping refuses
+    with pytest.raises(ConfigError) as err:
+        resolve(raw, 1)
+    for said in ("trainer.export_hf_every=2", "attention_bias", "trainer.export_hf_every=0"):
+        assert said in str(err.value)

@@ -859,3 +859,61 @@ def test_no_megatron_core_import():
     if _MEGATRON_ALREADY_IMPORTED:
         pytest.skip("another test module imported megatron-core first")
     assert "megatron.core" not in sys.modules
+
+
+# -- the Hugging Face export after a checkpoint (trainer.export_hf_every) -----------------------
+
+
+def test_export_follows_its_checkpoints_every_n_steps_and_at_the_end(composer, tokenizer, capsys):
+    from trainer.fakes import FakeExporter
+
+    cfg, model, layout = composer.resolve(
+        *SMALL, "trainer.steps=5", "trainer.export_hf_every=2", "trainer.save_every=0"
+    )
+    exporter = FakeExporter()
+    run = build_fake_run(cfg, model, layout, tokenizer, exporter=exporter)
+    run.train()
+    # an export's step is checkpointed even with save_every=0; the last step is exported too
+    assert sorted(run.checkpoints.saved) == [2, 4, 5]
+    assert exporter.exports == [2, 4, 5]
+    assert capsys.readouterr().err.count("HF export verified (fake)") == 3
+
+
+def test_an_interrupted_export_is_done_again_on_resume(composer, tokenizer):
+    from trainer.fakes import FakeExporter
+
+    overrides = (*SMALL, "trainer.export_hf_every=2", "trainer.save_every=2")
+    store, exporter = MemoryCheckpoints(), FakeExporter()
+    cfg, model, layout = composer.resolve(*overrides, "trainer.steps=2")
+    build_fake_run(cfg, model, layout, tokenizer, checkpoints=store, exporter=exporter).train()
+    assert exporter.exports == [2]
+    exporter.held.clear()  # killed before the export was listed: a leftover, no export
+    exporter.leftovers.add(2)
+    cfg, model, layout = composer.resolve(*overrides, "trainer.steps=4")
+    build_fake_run(cfg, model, layout, tokenizer, checkpoints=store, exporter=exporter).train()
+    assert exporter.exports == [2, 2, 4] and not exporter.leftovers
+    # resumed again at 4, whose export is there: nothing to do for it
+    cfg, model, layout = composer.resolve(*overrides, "trainer.steps=4")
+    build_fake_run(cfg, model, layout, tokenizer, checkpoints=store, exporter=exporter).train()
+    assert exporter.exports == [2, 2, 4]
+
+
+@pytest.mark.parametrize("on_failure", ["continue", "stop"])
+def test_a_failed_export_stops_the_run_only_when_asked(composer, tokenizer, on_failure, capsys):
+    from trainer.fakes import FakeExporter
+
+    from gspo_megatron.trainer import ExportFailedError
+
+    cfg, model, layout = composer.resolve(
+        *SMALL, "trainer.steps=4", "trainer.export_hf_every=2",
+        f"trainer.export_hf_on_failure={on_failure}",
+    )  # fmt: skip
+    run = build_fake_run(cfg, model, layout, tokenizer, exporter=FakeExporter(fail=True))
+    if on_failure == "stop":
+        with pytest.raises(ExportFailedError, match="export_hf_on_failure=stop"):
+            run.train()
+        assert sorted(run.checkpoints.saved) == [2]  # the checkpoint itself stays
+    else:
+        run.train()
+        assert [s for s, _ in run.log.records] == [1, 2, 3, 4]
+        assert capsys.readouterr().err.count("FAILED verification") == 2

@@ -9,8 +9,15 @@ this directory on PYTHONPATH, it arms the faults named in GSPO_FAULTS (comma-sep
     kill_mid_rotation=N           delete one file of the checkpoint the N-th rotation removes,
                                   then SIGKILL
     enospc_in_save=N              the N-th checkpoint save's data files fail: "No space left"
+    kill_mid_weight_update=N      SIGKILL in the N-th weight update of the generator process,
+                                  its staging copy half written (lock held)
+    kill_mid_export=N             SIGKILL in the N-th Hugging Face export, its shards written
+    generator_token_delay_ms=N    the generator process takes N ms more per token (a pace, not
+                                  a fault: generation outlasts a step, so partial rollouts are
+                                  in flight whenever the trainer checkpoints or dies)
 
-Each fault patches one function of the product right after its module is imported.
+Each fault patches one function of the product right after its module is imported (in every
+process started with this directory on PYTHONPATH, the generator process included).
 """
 
 import errno
@@ -130,10 +137,55 @@ def _patch_checkpointing(module) -> None:
     module.dist_checkpointing.save = save
 
 
+def _patch_generator(module) -> None:
+    due_update = _on_call("kill_mid_weight_update")
+    original_update = module.GeneratorProcessEngine.update_weights
+
+    def update_weights(self, source, version, urls=None):
+        if not (due_update() and self.leader):
+            return original_update(self, source, version, urls)
+
+        class HalfThenDie:
+            def buckets(self, bucket_bytes):
+                for i, bucket in enumerate(source.buckets(1)):  # one tensor at a time
+                    if i == 3:
+                        _die()
+                    yield bucket
+
+        return original_update(self, HalfThenDie(), version, urls)
+
+    module.GeneratorProcessEngine.update_weights = update_weights
+    delay = int(_FAULTS.get("generator_token_delay_ms", 0)) / 1000
+    if delay:
+        import time
+
+        original_refresh = module.ProcessGenerator.refresh_weights
+
+        def refresh_weights(self):
+            time.sleep(delay)
+            return original_refresh(self)
+
+        module.ProcessGenerator.refresh_weights = refresh_weights
+
+
+def _patch_export(module) -> None:
+    due = _on_call("kill_mid_export")
+    original = module.HFExporter._write_config_and_tokenizer
+
+    def write_config_and_tokenizer(self, tmp):
+        if due():
+            _die()
+        return original(self, tmp)
+
+    module.HFExporter._write_config_and_tokenizer = write_config_and_tokenizer
+
+
 _PATCHES = {
     "gspo_megatron.megatron.training_engine": _patch_engine,
     "gspo_megatron.run_files": _patch_run_files,
     "gspo_megatron.megatron.checkpointing": _patch_checkpointing,
+    "gspo_megatron.rollout.embedded.generator": _patch_generator,
+    "gspo_megatron.megatron.hf_export": _patch_export,
 }
 
 
