@@ -42,7 +42,10 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     )
     _warn_about_memory(cfg, model, layout)
     if cfg.rollout.engine == "sglang":
-        sglang_config(cfg)  # its errors before the model is built
+        from gspo_megatron.rollout.sglang.memory import RECORD_FILE, MemoryRecord
+
+        sglang_config(cfg)  # its errors, and a damaged memory record, before the model is built
+        MemoryRecord(run_dir / RECORD_FILE).read()
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
@@ -60,7 +63,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         reward_model = RewardModel.load(
             cfg.reward.model_path, layout, cfg.engine, params_dtype=model.params_dtype
         )
-    rollout, weight_source = build_rollout(cfg, engine)
+    rollout, weight_source = build_rollout(cfg, engine, run_dir)
     ranks = ProcessGroupRanks()
     return Trainer(
         cfg,
@@ -212,8 +215,10 @@ def init_weights(engine, source: str) -> None:
     )
 
 
-def build_rollout(cfg: RunConfig, engine):
-    """The rollout engine and, for external engines, the weight source it syncs from."""
+def build_rollout(cfg: RunConfig, engine, run_dir: Path):
+    """The rollout engine and, for external engines, the weight source it syncs from. SGLang's
+    leader records the servers' released memory in `run_dir` (docs/SGLANG.md, "Server
+    memory")."""
     r = cfg.rollout
     record_routes = cfg.algorithm.routing_replay == "r3"
     if r.mode != "sync" and r.engine == "embedded":
@@ -231,12 +236,21 @@ def build_rollout(cfg: RunConfig, engine):
             None,
         )
     from gspo_megatron.rollout.sglang import SGLangEngine
+    from gspo_megatron.rollout.sglang.memory import RECORD_FILE
     from gspo_megatron.rollout.weight_export import MegatronWeightSource
+    from gspo_megatron.run_files import note
 
     source = MegatronWeightSource.from_engine(engine)
     # Rank 0, the weights' sender, launches and drives the servers (rollout/driver.py).
     engine_cfg, leader = sglang_config(cfg), source.is_sender()
-    return SGLangEngine(engine_cfg, leader=leader, partial_rollouts=r.mode == "async"), source
+    rollout = SGLangEngine(
+        engine_cfg,
+        leader=leader,
+        partial_rollouts=r.mode == "async",
+        memory_record=Path(run_dir) / RECORD_FILE,
+        announce=note,
+    )
+    return rollout, source
 
 
 def build_generator_process(cfg: RunConfig, engine, record_routes: bool):

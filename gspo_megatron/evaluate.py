@@ -66,7 +66,7 @@ def evaluate_composed(raw: dict, out_dir: Path) -> dict[str, dict[str, float]]:
         from gspo_megatron.megatron import cpu_compat
 
         cpu_compat.apply()  # before megatron-core is imported
-        evaluation = Evaluation(cfg, model, layout)
+        evaluation = Evaluation(cfg, model, layout, out_dir)
     except ConfigError as err:
         sys.exit(f"{PROGRAM}: config error: {err}")
     except (DataError, VocabMismatchError, CheckpointError, ConversionError) as err:
@@ -85,7 +85,9 @@ class Evaluation:
     """The parts gspo-eval runs: tokenizer, benchmarks, a frozen engine holding the checkpoint,
     and the rollout engine over it. Bad input is refused before the model is built."""
 
-    def __init__(self, cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
+    def __init__(
+        self, cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, out_dir: Path
+    ) -> None:
         from gspo_megatron.components import build_rollout, init_weights, load_run_tokenizer
         from gspo_megatron.data.config import build_heldout_dataset
         from gspo_megatron.data.vocab import check_vocab
@@ -125,7 +127,7 @@ class Evaluation:
 
         self.engine = TrainingEngine(model, layout, cfg.engine, trainable=False)
         init_weights(self.engine, cfg.model.init_from)
-        self.rollout, source = build_rollout(cfg, self.engine)
+        self.rollout, source = build_rollout(cfg, self.engine, out_dir)
         self.ranks = ProcessGroupRanks()
         self.driver = RolloutDriver(self.rollout, self.ranks, source)
         self.driver.update_weights(0)
