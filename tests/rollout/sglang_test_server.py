@@ -168,13 +168,17 @@ class FakeServer:
         self._call("POST", "/_test/reset", {})
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """Stop the process (a no-op if it has ended); an empty crash file goes too (reading it
+        afterwards still says nothing crashed)."""
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.crash_file is not None and not read_crashes(self.crash_file):
+            self.crash_file.unlink(missing_ok=True)
 
 
 def read_crashes(crash_file: Path | None) -> list[dict]:

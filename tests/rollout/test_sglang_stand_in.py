@@ -138,7 +138,7 @@ DEADLY = {
 @pytest.mark.parametrize("case", DEADLY)
 def test_the_stand_in_dies_where_sglang_dies(case, tmp_path):
     action, reason = DEADLY[case]
-    srv = fake.start_fake_server(routed_experts=False)
+    srv = fake.start_fake_server(routed_experts=False, crash_file=tmp_path / "crash")
     try:
         action(srv, tmp_path)
         assert srv.proc.wait(timeout=20) == fake.CRASH_EXIT_CODE
@@ -182,10 +182,12 @@ def test_what_sglang_survives_the_stand_in_survives(tmp_path):
         srv.stop()
 
 
-def test_without_the_memory_saver_a_release_frees_nothing_and_a_second_one_is_harmless():
+def test_without_the_memory_saver_a_release_frees_nothing_and_a_second_one_is_harmless(tmp_path):
     """Without --enable-memory-saver SGLang's release only notes the tags: the model still
     runs, but a resume of a tag not noted still raises (KeyError)."""
-    srv = fake.start_fake_server(routed_experts=False, memory_saver=False)
+    srv = fake.start_fake_server(
+        routed_experts=False, memory_saver=False, crash_file=tmp_path / "crash"
+    )
     try:
         assert release(srv, ALL)[0] == 200 and release(srv, ["kv_cache"])[0] == 200
         assert get(srv, "/health") == 200 and post(srv, "/generate", GENERATE)[0] == 200
