@@ -36,7 +36,8 @@ from gspo_megatron.rollout.base import (
 from gspo_megatron.rollout.sglang import weight_sync as ws
 from gspo_megatron.rollout.sglang.client import NO_RETRY, RetryPolicy, SGLangClient, normalize_url
 from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
-from gspo_megatron.rollout.sglang.launcher import SGLangServerProcess, wait_until_healthy
+from gspo_megatron.rollout.sglang.launcher import SGLangServerProcess
+from gspo_megatron.rollout.sglang.memory import MEMORY_TAGS, MemoryRecord, MemoryTracker
 from gspo_megatron.rollout.sglang.protocol import (
     GenerateOutput,
     SGLangConnectionError,
@@ -49,13 +50,18 @@ from gspo_megatron.rollout.sglang.protocol import (
     parse_generate_response,
     sample_seeds,
 )
-from gspo_megatron.rollout.sglang.servers import HealthSettings, Server, ServerPool, ServerState
+from gspo_megatron.rollout.sglang.servers import (
+    HealthSettings,
+    Server,
+    ServerPool,
+    ServerState,
+    duration_text,
+    wall_clock,
+)
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 async def _gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -151,11 +157,25 @@ class SGLangEngine:
     generates_on_every_rank = False
 
     def __init__(
-        self, cfg: SGLangEngineConfig, *, leader: bool = True, partial_rollouts: bool = False
+        self,
+        cfg: SGLangEngineConfig,
+        *,
+        leader: bool = True,
+        partial_rollouts: bool = False,
+        memory_record: str | Path | None = None,
+        announce: Callable[[str], None] | None = None,
+        status_interval_s: float = 60.0,
     ) -> None:
+        """`memory_record`: the file where the leader records which GPU memory of the servers it
+        released (gspo-train: <run directory>/sglang_memory.json), for a run resumed in the same
+        directory; None: no record (a server the engine has no record of counts as resident).
+        `announce(line)` tells the user what a wait for servers waits for, at once and every
+        `status_interval_s` (default: a warning in this module's log)."""
         cfg.validate()
         self.cfg = cfg
         self.leader = leader
+        self._announce = announce or (lambda line: logger.warning("%s", line))
+        self._status_interval_s = status_interval_s
         # rollout.mode=async: a weight update aborts the requests in flight (/pause_generation
         # mode abort) and continues them on the new weights. Otherwise it waits for them
         # (SGLang holds an update until the requests running finish).
@@ -168,12 +188,10 @@ class SGLangEngine:
         self._router = normalize_url(cfg.router_url) if cfg.router_url else None
         self._gen_urls = [self._router] if self._router else self.urls
         self._seed_rng = random.Random(cfg.seed)
-        self._released: set[str] = set()
-        # Attached servers' released memory tags as found (a run before this one may have left
-        # them released), learned at first use; close() puts them back so.
-        self._attached = [normalize_url(u) for u in cfg.urls]
-        self._found_released: dict[str, set[str]] = {}
         self._server_info: dict[str, dict] = {}
+        # Servers a /generate of the current job was abandoned on (it may still run there until
+        # SGLang notices): their memory is not released after the job.
+        self._abandoned: set[str] = set()
         self._group: torch.distributed.ProcessGroup | None = None
         self._group_urls: list[str] = []
         # A group broken by a failure cannot be destroyed safely (a peer may never answer):
@@ -195,7 +213,6 @@ class SGLangEngine:
         self._version_changed = asyncio.Condition()
         self._weights_settled = asyncio.Event()
         self._weights_settled.set()
-        self._loop = LoopThread("sglang-client")
         self._client = SGLangClient(
             api_key=cfg.api_key,
             request_timeout_s=cfg.request_timeout_s,
@@ -203,6 +220,11 @@ class SGLangEngine:
             max_concurrency=cfg.max_concurrency,
             retry=RetryPolicy(cfg.max_retries, cfg.backoff_s, cfg.backoff_max_s),
         )
+        record = MemoryRecord(memory_record) if leader and memory_record is not None else None
+        self._memory = MemoryTracker(
+            self._client, self.urls, record, call_timeout_s=cfg.weight_update_timeout_s
+        )
+        self._loop = LoopThread("sglang-client")
         self.pool = ServerPool(
             [],
             self._client,
@@ -213,8 +235,12 @@ class SGLangEngine:
                 max_restarts=cfg.max_restarts,
                 recovery_timeout_s=cfg.recovery_timeout_s,
             ),
+            probe=self._memory.probe,
+            unusable=self._memory.unknown,
             weights_current=self._holds_current_weights,
             on_restart=self._forget,
+            announce=self._announce,
+            status_interval_s=status_interval_s,
         )
         if not leader:
             return
@@ -225,6 +251,10 @@ class SGLangEngine:
             raise
         launched = {p.url: p for p in self._servers}
         self.pool.servers = {u: Server(u, launched.get(u)) for u in self.urls}
+        for url in self.urls:
+            if (why := self._memory.unknown(url)) is not None:
+                self.pool.set(url, ServerState.SUSPECT, why)
+                self._announce(f"SGLang server {url}: {why}")
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -243,23 +273,95 @@ class SGLangEngine:
         )
 
     def _start_servers(self) -> None:
-        cfg = self.cfg
-        log_dir = Path(cfg.log_dir)
-        for i, lc in enumerate(cfg.launch):
-            proc = SGLangServerProcess(lc, log_dir / f"sglang_{i}_{lc.port}.log")
+        for i, lc in enumerate(self.cfg.launch):
+            proc = SGLangServerProcess(lc, Path(self.cfg.log_dir) / f"sglang_{i}_{lc.port}.log")
             self._servers.append(proc)
             proc.start()
-        for proc in self._servers:
-            proc.wait_healthy(cfg.health_timeout_s)
-        attached = self.urls[: len(cfg.urls)] + ([self._router] if self._router else [])
-        for url in attached:
-            wait_until_healthy(
-                url,
-                timeout_s=cfg.health_timeout_s,
-                api_key=cfg.api_key,
-                poll_s=min(2.0, max(cfg.health_timeout_s / 10, 0.05)),
-                what=" (attached server: is it running, and is the URL right?)",
-            )
+        self._run(self._await_startup({p.url: p for p in self._servers}))
+
+    async def _await_startup(self, launched: dict[str, SGLangServerProcess]) -> None:
+        """Wait until every server answers and its memory state is read (at most
+        rollout.sglang.health_timeout_s), saying at once what it waits for and every
+        status_interval_s how it stands. A launched server that exits fails it at once."""
+        cfg = self.cfg
+        targets = self.urls + ([self._router] if self._router else [])
+        pending = dict.fromkeys(targets, "no answer yet")
+        started = time.monotonic()
+        until = wall_clock(time.time() + cfg.health_timeout_s)
+        key = f"rollout.sglang.health_timeout_s={cfg.health_timeout_s:g}"
+        poll = min(2.0, max(cfg.health_timeout_s / 10, 0.05))
+        announced, next_status = False, 0.0
+
+        def kind(url: str) -> str:
+            if url == self._router:
+                return "router"
+            return "launched" if url in launched else "attached"
+
+        def describe() -> str:
+            return "; ".join(f"{u} ({kind(u)}): {why}" for u, why in pending.items())
+
+        while True:
+            for url in list(pending):
+                proc = launched.get(url)
+                if proc is not None and (why := proc.exit_reason()) is not None:
+                    raise SGLangError(
+                        f"SGLang server for {url} exited before becoming healthy: {why}", url
+                    )
+                why_not = await self._first_contact(url)
+                if why_not is None:
+                    del pending[url]
+                else:
+                    pending[url] = why_not
+            if not pending:
+                return
+            now = time.monotonic()
+            if now - started >= cfg.health_timeout_s:
+                logs = "".join(f"; {launched[u].context()}" for u in pending if u in launched)
+                hint = "" if set(pending) <= set(launched) else (
+                    " (attached server: is it running, and is the URL right?)"
+                )  # fmt: skip
+                raise SGLangError(
+                    f"SGLang server {', '.join(pending)} did not answer within "
+                    f"{cfg.health_timeout_s:g} s ({key}): {describe()}{hint}{logs}",
+                    next(iter(pending)),
+                )
+            if not announced:
+                self._announce(f"waiting for SGLang servers to answer: {describe()}; until "
+                               f"{until} ({key})")  # fmt: skip
+                announced, next_status = True, now + self._status_interval_s
+            elif now >= next_status:
+                self._announce(f"still waiting for SGLang servers after "
+                               f"{duration_text(now - started)} (until {until}, {key}): "
+                               f"{describe()}")  # fmt: skip
+                next_status += self._status_interval_s
+            await asyncio.sleep(poll)
+
+    async def _first_contact(self, url: str) -> str | None:
+        """None once `url` is ready, else what it lacks. A server's memory state comes from its
+        /server_info and the memory record; GET /health (a one-token generation in SGLang) waits
+        for its warm-up only when everything is resident."""
+        if url == self._router:
+            return None if await self._client.is_healthy(url) else "no GET /health answer"
+        if url not in self._server_info:
+            try:
+                info = await self._client.get(url, "/server_info", retry=NO_RETRY, timeout_s=5.0)
+            except SGLangHTTPError as e:
+                if e.status in (401, 403):  # waiting would not change that
+                    raise SGLangHTTPError(
+                        f"{e} (is rollout.sglang.api_key right?)", url, e.status, e.reason
+                    ) from e
+                return f"GET /server_info answered HTTP {e.status}"
+            except SGLangError:
+                return "no GET /server_info answer"
+            if not isinstance(info, dict):
+                raise SGLangProtocolError(f"{url}/server_info is not a JSON object", url)
+            await self._memory.adopt(url, info)
+            self._server_info[url] = info
+        if not self._memory.resident(url):
+            return None  # never GET /health: its model must not run
+        if await self._client.is_healthy(url):
+            return None
+        return "answers GET /server_info, GET /health not 200 yet (warming up)"
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)
@@ -340,7 +442,9 @@ class SGLangEngine:
     async def _generate_all(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, min_version: int
     ) -> list[list[RolloutSample]]:
-        await self._ensure_resident(MEMORY_TAGS)
+        if self._router:
+            # The router picks the workers: all of them hold their memory before it sends any.
+            await self._resume(self._reachable(), MEMORY_TAGS)
         flat_prompts = [list(p) for p in prompts for _ in range(n)]
         base = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
         seeds = sample_seeds(base, len(flat_prompts))
@@ -357,9 +461,22 @@ class SGLangEngine:
             ]
         )
         samples = [s for chunk in results for s in chunk]
-        if self.cfg.offload_after_generate:
-            await self._release(MEMORY_TAGS)
+        if self.cfg.offload_after_generate and self._jobs_running == 1:
+            await self._offload()
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    async def _offload(self) -> None:
+        """Release every server's memory after a job (offload_after_generate): each server that
+        answered all its requests, so none of ours runs there (SGLang asserts it is idle)."""
+        urls = [u for u in self._reachable() if u not in self._abandoned]
+        for url in sorted(self._abandoned & set(self.urls)):
+            logger.warning(
+                "%s keeps its memory this time: a request abandoned there may still run "
+                "(SGLang kills a server released while busy)",
+                url,
+            )
+        self._abandoned.clear()
+        await self._release(urls, MEMORY_TAGS)
 
     async def _generate_chunk(
         self, prompts: list[list[int]], seeds: list[int], params: SamplingParams, min_version: int
@@ -414,12 +531,16 @@ class SGLangEngine:
             max_new_tokens=max_new_tokens,
         )
         for attempt in range(self.cfg.max_resubmits + 1):
-            url = self._router or await self.pool.acquire()
+            url = self._router or await self._acquire_held()
             stale = False
             try:
                 answer = await self._while_alive(url, self._client.post(url, "/generate", body))
             except (SGLangConnectionError, SGLangTimeoutError) as e:
+                self._abandoned.add(url)
                 error: SGLangError = e
+            except asyncio.CancelledError:
+                self._abandoned.add(url)
+                raise
             except SGLangHTTPError as e:
                 if e.status < 500:
                     raise
@@ -444,6 +565,9 @@ class SGLangEngine:
                 stale = url in self.pool.servers
                 if stale:
                     self.pool.set(url, ServerState.STALE, str(error))
+            finally:
+                if url != self._router:
+                    self._memory.unhold([url])
             if attempt == self.cfg.max_resubmits:
                 raise error
             if not stale:
@@ -451,6 +575,14 @@ class SGLangEngine:
             self.pool.counters["requests_resubmitted"] += 1
             logger.warning("resubmitting %d samples (same seeds) after: %s", len(prompts), error)
         raise AssertionError("unreachable")
+
+    async def _acquire_held(self) -> str:
+        """A healthy server (the least loaded), holding all its memory until `unhold`: released
+        memory is resumed first; a server where that fails is suspect, and another one taken."""
+        while True:
+            url = await self.pool.acquire()
+            if not await self._hold([url], MEMORY_TAGS):
+                return url
 
     def _older_weights(self, outs: Sequence[GenerateOutput], min_version: int) -> str | None:
         """The first weight version in `outs` older than `min_version` (or not a version this
@@ -478,8 +610,10 @@ class SGLangEngine:
         return isinstance(info, dict) and str(info.get("weight_version")) == str(self.version)
 
     def _forget(self, url: str) -> None:
-        """A restarted server: its cached info, and any weight-update group with it, are gone."""
+        """A restarted server: its cached info, its released memory, and any weight-update group
+        with it, are gone."""
         self._server_info.pop(url, None)
+        self._memory.forget(url)
         if url in self._group_urls:
             self._drop_group()
 
@@ -541,7 +675,7 @@ class SGLangEngine:
                 done, _ = await asyncio.wait({task}, timeout=interval)
                 if done:
                     return task.result()
-                if await self._client.is_healthy(url, timeout_s=interval):
+                if await self._memory.probe(url, interval):
                     last_alive = loop.time()
                 elif loop.time() - last_alive >= deadline:
                     raise SGLangTimeoutError(
@@ -581,20 +715,32 @@ class SGLangEngine:
         self._run(self._post_all("/abort_request", {"abort_all": True}, expect_json=False))
 
     def health(self) -> bool:
+        """Every server and the router answer (never by running the model of a server whose
+        memory is released)."""
+
         async def check() -> bool:
-            urls = list(self.urls) + ([self._router] if self._router else [])
-            oks = await asyncio.gather(*(self._client.is_healthy(u) for u in urls))
+            oks = await asyncio.gather(
+                *(self._memory.probe(u, 5.0) for u in self.urls),
+                *([self._client.is_healthy(self._router)] if self._router else []),
+            )
             return all(oks)
 
         return self._run(check())
 
     def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Free the servers' GPU memory for `tags` (colocated training; needs
-        --enable-memory-saver). Released tags come back automatically when needed."""
-        self._run(self._release(tags))
+        --enable-memory-saver). Released tags come back automatically when needed. Only while
+        nothing generates: SGLang kills a server asked to release while it is busy."""
+        if any(not job.done() for job in list(self._jobs)):
+            raise RuntimeError(
+                "SGLangEngine.release_memory while a generate job runs: SGLang 0.5.23 asserts the "
+                "server is idle and exits when it is not"
+            )
+        self._run(self._release(self._reachable(), tags))
 
     def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        self._run(self._ensure_resident(tags))
+        """Bring back the released ones of `tags` on every server that answers."""
+        self._run(self._resume(self._reachable(), tags))
 
     def _reachable(self) -> list[str]:
         """Servers that answer (healthy or stale): the targets of control calls."""
@@ -602,81 +748,25 @@ class SGLangEngine:
             return list(self.urls)
         return self.pool.in_state(ServerState.HEALTHY, ServerState.STALE)
 
-    async def _memory_call(self, path: str, tags: Sequence[str]) -> None:
-        """`path` for `tags` on every reachable server. A server that fails it is suspect; one
-        that refuses to resume what it holds (restarted since the release) is fine."""
-        urls = self._reachable()
-        answers = await asyncio.gather(
-            *(self._client.post(u, path, {"tags": list(tags)}, expect_json=False) for u in urls),
-            return_exceptions=True,
+    async def _release(self, urls: Sequence[str], tags: Sequence[str]) -> dict[str, SGLangError]:
+        return self._memory_failed(
+            "/release_memory_occupation", await self._memory.release(urls, tags)
         )
-        for url, answer in zip(urls, answers, strict=True):
-            resident = isinstance(answer, SGLangHTTPError) and answer.status == 400
-            if resident and path == "/resume_memory_occupation":
-                continue
-            if isinstance(answer, SGLangError):
-                self.pool.failed(url, f"{path}: {answer}")
-            elif isinstance(answer, BaseException):
-                raise answer
 
-    async def _release(self, tags: Sequence[str]) -> None:
-        todo = [t for t in tags if t not in self._released]
-        if todo:
-            await self._memory_call("/release_memory_occupation", todo)
-            self._released.update(todo)
+    async def _hold(self, urls: Sequence[str], tags: Sequence[str]) -> dict[str, SGLangError]:
+        return self._memory_failed("/resume_memory_occupation", await self._memory.hold(urls, tags))
 
-    async def _adopt_memory_state(self) -> None:
-        """Bring back what a previous run left released on attached servers (a weight update
-        would write into released memory), noting it for close(). SGLang has no query for it:
-        resuming a tag that is resident is refused, so each tag is resumed on its own."""
+    async def _resume(self, urls: Sequence[str], tags: Sequence[str]) -> dict[str, SGLangError]:
+        return self._memory_failed(
+            "/resume_memory_occupation", await self._memory.resume(urls, tags)
+        )
 
-        async def resume(url: str, tag: str) -> bool:
-            try:
-                await self._client.post(
-                    url, "/resume_memory_occupation", {"tags": [tag]}, retry=NO_RETRY,
-                    expect_json=False, timeout_s=self.cfg.liveness_timeout_s or None,
-                )  # fmt: skip
-            except SGLangHTTPError as e:
-                if e.status == 400:
-                    return False  # resident
-                raise
-            return True
-
-        found = self._found_released
-        for url in self._attached:
-            if url in found or url not in self._reachable():
-                continue  # known, or learned when it answers again
-            resumed = await asyncio.gather(
-                *(resume(url, tag) for tag in MEMORY_TAGS), return_exceptions=True
-            )
-            if error := next((r for r in resumed if isinstance(r, BaseException)), None):
-                if not isinstance(error, SGLangError):
-                    raise error
-                self.pool.failed(url, f"/resume_memory_occupation: {error}")
-                continue
-            found[url] = {tag for tag, was in zip(MEMORY_TAGS, resumed, strict=True) if was}
-            if found[url]:
-                logger.info("%s: memory %s was released; resumed it", url, sorted(found[url]))
-
-    async def _restore_memory_state(self) -> None:
-        """Leave attached servers' memory as found: released tags released, resident ones
-        resident."""
-        for url, found in self._found_released.items():
-            for path, tags in (
-                ("/release_memory_occupation", found - self._released),
-                ("/resume_memory_occupation", self._released - found),
-            ):
-                if tags:
-                    await self._client.post(
-                        url, path, {"tags": sorted(tags)}, retry=NO_RETRY, expect_json=False
-                    )
-
-    async def _ensure_resident(self, tags: Sequence[str]) -> None:
-        await self._adopt_memory_state()
-        todo = [t for t in MEMORY_TAGS if t in tags and t in self._released]
-        if todo:
-            await self._memory_call("/resume_memory_occupation", todo)
-            self._released.difference_update(todo)
+    def _memory_failed(self, path: str, failed: dict[str, SGLangError]) -> dict[str, SGLangError]:
+        """Servers whose memory call failed are suspect: one whose state is now unknown gets
+        nothing until it restarts (a launched one is restarted)."""
+        for url, error in failed.items():
+            self.pool.failed(url, self._memory.unknown(url) or f"{path}: {error}")
+        return failed
 
     # ---- weight sync -------------------------------------------------------------------------
 
@@ -711,14 +801,19 @@ class SGLangEngine:
         swap = self.partial_rollouts and urls is None and self._jobs_running > 0
         mode = self.cfg.weight_sync
         paused: list[str] = []
+        held: list[str] = []
         try:
             if swap:
                 paused = self._run(self._pause_for_swap(targets))
-            self._run(self._ensure_resident(("weights",)))
             live = [u for u in targets if u in self._reachable()]
             failures: dict[str, SGLangError] = {
                 u: SGLangConnectionError(f"{u} did not answer", u) for u in targets if u not in live
             }
+            # Never load into released weights (SGLang would write to unmapped memory), nor
+            # release them while loading.
+            failures.update(self._run(self._hold(live, ("weights",))))
+            live = [u for u in live if u not in failures]
+            held = list(live)
             if mode == "tensor":
                 self._update_tensor(source, version, live, failures)
             elif mode == "distributed":
@@ -728,7 +823,7 @@ class SGLangEngine:
             self.version, self._updated = version, True
             self._run(self._settle(targets, failures, version))
         finally:
-            self._run(self._after_update(paused))
+            self._run(self._after_update(paused, held))
         if targets and len(failures) == len(targets):
             reasons = "; ".join(str(e) for e in failures.values())
             raise WeightUpdateError(
@@ -767,9 +862,10 @@ class SGLangEngine:
         self._swaps += 1
         return await self._control_each("/pause_generation", {"mode": "abort"}, urls)
 
-    async def _after_update(self, paused: Sequence[str]) -> None:
-        """Paused servers generate again; jobs waiting for this version, and aborted requests
-        waiting for the new weights, go on."""
+    async def _after_update(self, paused: Sequence[str], held: Sequence[str]) -> None:
+        """The weights may be released again; paused servers generate again; jobs waiting for
+        this version, and aborted requests waiting for the new weights, go on."""
+        self._memory.unhold(held)
         await self._control_each("/continue_generation", {}, paused)
         async with self._version_changed:
             self._version_changed.notify_all()
@@ -801,7 +897,8 @@ class SGLangEngine:
             server.resync_failures += 1
             self.pool.counters["weight_update_failures"] += 1
             reason = f"weight update to version {version} failed: {error}"
-            if isinstance(error, (SGLangConnectionError, SGLangTimeoutError)):
+            unreachable = isinstance(error, (SGLangConnectionError, SGLangTimeoutError))
+            if unreachable or self._memory.unknown(url):
                 self.pool.failed(url, reason)
             else:
                 self.pool.set(url, ServerState.STALE, reason)
@@ -1110,10 +1207,7 @@ class SGLangEngine:
                 self._loop.run(self.pool.close())  # no health checks or restarts from here
                 if self._group is not None and self._group_urls:
                     self._loop.run(self._destroy_group(self._group_urls, missing_ok=False))
-                try:
-                    self._loop.run(self._restore_memory_state())
-                except SGLangError as e:  # the server may be gone: say so, close the rest
-                    logger.warning("could not restore the servers' memory state: %s", e)
+                self._say_memory_left()
                 self._loop.run(self._client.close())
             finally:
                 self._loop.close()
@@ -1126,6 +1220,23 @@ class SGLangEngine:
         for proc in self._servers:
             proc.stop()
         self._servers.clear()
+
+    def _say_memory_left(self) -> None:
+        """Memory stays as it is at close (bringing it back could take GPU memory the trainer
+        still holds); the record says what is released, and so does a line for the user."""
+        launched = {p.url for p in self._servers}
+        left = {u: t for u, t in self._memory.left_released().items() if u not in launched}
+        if not (self.leader and left):
+            return
+        where = self._memory.record.path if self._memory.record is not None else None
+        self._announce(
+            "SGLang servers left with GPU memory released: "
+            + "; ".join(f"{u}: {', '.join(t)}" for u, t in left.items())
+            + (f" (recorded in {where}: a run resumed in that directory brings it back)"
+               if where else "")
+            + ". Anything else must restart them, or POST /resume_memory_occupation with exactly "
+            "those tags, before using them"
+        )  # fmt: skip
 
     def __enter__(self) -> SGLangEngine:
         return self

@@ -60,9 +60,13 @@ class HealthSettings:
 
 
 class ServerPool:
-    """The servers' states. `weights_current(url)` tells whether a server that answers again
-    holds the engine's current weights (asked of the server), `on_restart(url)` lets the engine
-    forget what it cached about a server."""
+    """The servers' states. `probe(url, timeout_s)` tells whether a server answers (without
+    running the model of one whose memory is released), `unusable(url)` why a server that
+    answers must still get nothing (its memory state is unknown) or None, `weights_current(url)`
+    whether a server that answers again holds the engine's current weights (asked of the
+    server), `on_restart(url)` lets the engine forget what it knew about a server. `announce`
+    prints a line for the user: a wait for a server to serve says so at once and every
+    `status_interval_s`."""
 
     COUNTERS = (
         "server_restarts",
@@ -78,19 +82,28 @@ class ServerPool:
         client: SGLangClient,
         settings: HealthSettings,
         *,
+        probe: Callable[[str, float], Awaitable[bool]],
+        unusable: Callable[[str], str | None],
         weights_current: Callable[[str], Awaitable[bool]],
         on_restart: Callable[[str], None],
+        announce: Callable[[str], None],
+        status_interval_s: float = 60.0,
     ) -> None:
         self.servers = {s.url: s for s in servers}
         self.client = client
         self.settings = settings
+        self._probe = probe
+        self._unusable = unusable
         self._weights_current = weights_current
         self._on_restart = on_restart
+        self._announce = announce
+        self._status_interval_s = status_interval_s
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         self._changed: asyncio.Event | None = None
         self._monitor: asyncio.Task | None = None
         self._checking: dict[str, asyncio.Task] = {}
         self._restarting: set[str] = set()
+        self._waiting: _Wait | None = None  # no server can generate: since when, the status task
 
     # ---- states ------------------------------------------------------------------------------
 
@@ -143,17 +156,52 @@ class ServerPool:
                 self._check_soon(url)
             left = deadline - loop.time()
             if left <= 0:
+                self._stop_waiting()
                 raise ServersUnavailableError(
                     f"no SGLang server could generate for {self.settings.recovery_timeout_s:g} s "
                     f"(rollout.sglang.recovery_timeout_s): {self.describe()}",
                     next(iter(self.servers)),
                 )
+            self._start_waiting(left)
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     self._changed.wait(), timeout=min(left, self.settings.check_interval_s)
                 )
+        if self._waiting is not None:
+            waited = duration_text(time.monotonic() - self._waiting.since)
+            self._stop_waiting()
+            self._announce(f"SGLang server {', '.join(urls)} can generate again after {waited}")
         return self.client.pick(urls)
+
+    def _start_waiting(self, left_s: float) -> None:
+        """Say at once that generation waits, for what and until when; then every
+        status_interval_s how it stands."""
+        if self._waiting is not None:
+            return
+        key = f"rollout.sglang.recovery_timeout_s={self.settings.recovery_timeout_s:g}"
+        until = wall_clock(time.time() + left_s)
+        self._announce(
+            f"no SGLang server can generate: {self.describe()}; waiting for one until {until} "
+            f"({key}), checking every {self.settings.check_interval_s:g} s"
+        )
+        since = time.monotonic()
+
+        async def status() -> None:
+            while True:
+                await asyncio.sleep(self._status_interval_s)
+                self._announce(
+                    f"still no SGLang server can generate after "
+                    f"{duration_text(time.monotonic() - since)} (until {until}, {key}): "
+                    f"{self.describe()}"
+                )
+
+        self._waiting = _Wait(since, asyncio.ensure_future(status()))
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting.status.cancel()
+            self._waiting = None
 
     # ---- health checks and restarts ----------------------------------------------------------
 
@@ -179,8 +227,15 @@ class ServerPool:
         server = self.servers[url]
         timeout = max(0.5, min(5.0, self.settings.check_interval_s))
         exited = server.process is not None and server.process.exit_reason() is not None
-        healthy = not exited and await self.client.is_healthy(url, timeout_s=timeout)
+        healthy = not exited and await self._probe(url, timeout)
         state = server.state
+        if healthy and (why_not := self._unusable(url)) is not None:
+            if state is not ServerState.SUSPECT:
+                self.counters["server_failures"] += 1
+            self.set(url, ServerState.SUSPECT, why_not)
+            if server.process is not None:
+                await self.restart(url, why_not)
+            return
         if healthy:
             if state is ServerState.RESTARTING:
                 self.set(url, ServerState.STALE, "restarted with its launch weights")
@@ -237,6 +292,7 @@ class ServerPool:
         self.set(url, ServerState.RESTARTING, reason)
 
     async def close(self) -> None:
+        self._stop_waiting()
         tasks = [t for t in (self._monitor, *self._checking.values()) if t is not None]
         for t in tasks:
             t.cancel()
@@ -248,3 +304,28 @@ class ServerPool:
         """The counts since the last call."""
         out, self.counters = self.counters, dict.fromkeys(self.COUNTERS, 0)
         return out
+
+
+@dataclass
+class _Wait:
+    since: float  # time.monotonic()
+    status: asyncio.Future  # the task that says how the wait stands
+
+
+def wall_clock(epoch_s: float) -> str:
+    """A wall-clock time for the user: 14:03:27 (the date too when it is not today)."""
+    stamp = time.localtime(epoch_s)
+    today = time.localtime()
+    same_day = stamp[:3] == today[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M:%S", stamp)
+
+
+def duration_text(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
