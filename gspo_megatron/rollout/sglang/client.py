@@ -200,6 +200,20 @@ class SGLangClient:
     async def post(self, url: str, path: str, body: Any = None, **kw: Any) -> Any:
         return await self.request("POST", url, path, {} if body is None else body, **kw)
 
+    async def post_each(
+        self, path: str, bodies: dict[str, Any], timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """`path` once on each server of `bodies` with its body (no retries): its answer, or the
+        exception it raised."""
+        answers = await asyncio.gather(
+            *(
+                self.post(u, path, b, retry=NO_RETRY, timeout_s=timeout_s)
+                for u, b in bodies.items()
+            ),
+            return_exceptions=True,
+        )
+        return dict(zip(bodies, answers, strict=True))
+
     async def is_healthy(self, url: str, timeout_s: float = 5.0) -> bool:
         """GET /health answers 200 within `timeout_s` (no retries; any failure is False). Not
         queued behind generation requests: a liveness check must not wait for them."""

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,24 @@ class MemoryTracker:
             if mem.released or mem.in_doubt
         }
 
+    def left_line(self, launched: Iterable[str]) -> str | None:
+        """The line for the user at close about the servers (launched ones aside: they stop)
+        left with memory released, or None: memory stays as it is at close (bringing it back
+        could take GPU memory the trainer still holds), and the record says so too."""
+        launched = set(launched)
+        left = {u: t for u, t in self.left_released().items() if u not in launched}
+        if not left:
+            return None
+        where = self.record.path if self.record is not None else None
+        return (
+            "SGLang servers left with GPU memory released: "
+            + "; ".join(f"{u}: {', '.join(t)}" for u, t in left.items())
+            + (f" (recorded in {where}: a run resumed in that directory brings it back)"
+               if where else "")
+            + ". Anything else must restart them, or POST /resume_memory_occupation with exactly "
+            "those tags, before using them"
+        )  # fmt: skip
+
     # ---- first contact, restarts -------------------------------------------------------------
 
     async def adopt(self, url: str, info: Any) -> None:
@@ -407,3 +425,30 @@ class MemoryTracker:
                 raise SGLangError(
                     f"cannot write the SGLang memory record {self.record.path}: {e}"
                 ) from e
+
+
+class MemoryCalls:
+    """The tracker's memory calls as the engine makes them: a server whose call failed is fenced
+    (`fence(url, reason)`: the server pool's `failed`, suspect and checked at once), with the
+    reason its state is unknown when it is (then it gets nothing until it restarts)."""
+
+    def __init__(self, tracker: MemoryTracker, fence: Callable[[str, str], None]) -> None:
+        self.tracker = tracker
+        self._fence = fence
+
+    async def release(self, urls: Sequence[str], tags: Sequence[str]) -> dict[str, SGLangError]:
+        return self._fenced(_RELEASE, await self.tracker.release(urls, tags))
+
+    async def hold(self, urls: Sequence[str], tags: Sequence[str]) -> dict[str, SGLangError]:
+        return self._fenced(_RESUME, await self.tracker.hold(urls, tags))
+
+    def unhold(self, urls: Sequence[str]) -> None:
+        self.tracker.unhold(urls)
+
+    async def resume(self, urls: Sequence[str], tags: Sequence[str]) -> dict[str, SGLangError]:
+        return self._fenced(_RESUME, await self.tracker.resume(urls, tags))
+
+    def _fenced(self, path: str, failed: dict[str, SGLangError]) -> dict[str, SGLangError]:
+        for url, error in failed.items():
+            self._fence(url, self.tracker.unknown(url) or f"{path}: {error}")
+        return failed

@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 from gspo_megatron.rollout.base import RolloutUnavailableError
 from gspo_megatron.rollout.sglang.client import SGLangClient
 from gspo_megatron.rollout.sglang.launcher import SGLangServerProcess
-from gspo_megatron.rollout.sglang.protocol import SGLangError
+from gspo_megatron.rollout.sglang.protocol import (
+    SGLangConnectionError,
+    SGLangError,
+    SGLangProtocolError,
+    SGLangTimeoutError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -300,10 +305,79 @@ class ServerPool:
         self._monitor = None
         self._checking.clear()
 
+    # ---- weight updates ----------------------------------------------------------------------
+
+    async def updated(
+        self, targets: Sequence[str], failures: dict[str, SGLangError], version: int
+    ) -> None:
+        """After a weight update to `version` of `targets`: those that took it are healthy; one
+        that failed is suspect when unreachable or its memory state is unknown, else stale (it
+        answers but may hold partial weights) until a full update reaches it. On the pool's
+        event loop, as every move."""
+        now = time.monotonic()
+        for url in targets:
+            server = self.servers[url]
+            server.last_resync = now
+            if url not in failures:
+                server.resync_failures = 0
+                self.set(url, ServerState.HEALTHY, f"holds version {version}")
+                continue
+            error = failures[url]
+            server.resync_failures += 1
+            self.counters["weight_update_failures"] += 1
+            reason = f"weight update to version {version} failed: {error}"
+            unreachable = isinstance(error, (SGLangConnectionError, SGLangTimeoutError))
+            if unreachable or self._unusable(url):
+                self.failed(url, reason)
+            else:
+                self.set(url, ServerState.STALE, reason)
+
+    async def due_for_resync(self) -> list[str]:
+        """Stale servers that answer and are due for a full weight update (a failed one is
+        retried every check_interval_s). A launched server whose updates failed twice running
+        is restarted instead."""
+        now, out = time.monotonic(), []
+        for url in self.in_state(ServerState.STALE):
+            server = self.servers[url]
+            if server.process is not None and server.resync_failures >= 2:
+                await self.restart(url, "its weight updates keep failing")
+            elif not server.resync_failures or (
+                now - server.last_resync >= self.settings.check_interval_s
+            ):
+                out.append(url)
+        return out
+
     def take_counters(self) -> dict[str, int]:
         """The counts since the last call."""
         out, self.counters = self.counters, dict.fromkeys(self.COUNTERS, 0)
         return out
+
+
+class ServerInfos:
+    """What each server says of itself (GET /server_info: tp_size, dp_size, pp_size, version,
+    startup_time), asked once per server process: forgotten when it restarts."""
+
+    def __init__(self, client: SGLangClient) -> None:
+        self.client = client
+        self._infos: dict[str, dict] = {}
+
+    def known(self, url: str) -> bool:
+        return url in self._infos
+
+    def put(self, url: str, info: dict) -> None:
+        self._infos[url] = info
+
+    def forget(self, url: str) -> None:
+        self._infos.pop(url, None)
+
+    async def get(self, url: str) -> dict:
+        """The cached answer, or GET /server_info (with the client's retries)."""
+        if url not in self._infos:
+            info = await self.client.get(url, "/server_info")
+            if not isinstance(info, dict):
+                raise SGLangProtocolError(f"{url}/server_info is not a JSON object", url)
+            self._infos[url] = info
+        return self._infos[url]
 
 
 @dataclass
