@@ -48,10 +48,12 @@ def digest_files(root: str | Path, names: Iterable[str]) -> dict[str, dict[str, 
 
 
 def write_manifest(root: str | Path, entries: dict[str, dict[str, int | str]]) -> Path:
-    """Write the manifest (durably: fsync of the file and its directory)."""
+    """Write the manifest (durably: fsync of the file and its directory), replacing any: a
+    published checkpoint's gains its HF export's entries (`add_entries`). The temporary name is
+    the writing process's, so two writers never rename each other's."""
     path = Path(root) / MANIFEST_FILE
     text = json.dumps({"version": MANIFEST_VERSION, "files": entries}, indent=1, sort_keys=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{MANIFEST_FILE}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
