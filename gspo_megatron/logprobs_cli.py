@@ -2,7 +2,7 @@
 
     gspo-logprobs --checkpoint PATH --input IN.jsonl --output OUT.jsonl [--tp N --pp N --ep N
                   --etp N --cp N] [--dtype fp32|bf16|fp16]
-    torchrun --nproc-per-node 4 -m gspo_megatron.checkpoint.logprobs_cli ... --tp 2 --ep 2
+    torchrun --nproc-per-node 4 -m gspo_megatron.logprobs_cli ... --tp 2 --ep 2
 
 PATH is an HF model directory (weights are loaded straight into the sharded model) or a megatron
 checkpoint (converted or saved by training, any layout). Each input line is
@@ -66,9 +66,10 @@ def build_scoring_engine(
     from gspo_megatron.megatron import cpu_compat
 
     cpu_compat.apply()  # before megatron-core is imported
-    from gspo_megatron.checkpoint.loading import load_weights, read_model_config
+    from gspo_megatron.checkpoint.reading import read_model_config
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.megatron.weight_loading import load_engine_weights
     from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
     params_dtype = dtype_name(parse_dtype(dtype))
@@ -90,8 +91,7 @@ def build_scoring_engine(
             name="sgd", lr=0.0, weight_decay=0.0, clip_grad=0.0, distributed_optimizer=False
         ),
     )
-    load_weights(engine.unwrapped_chunks, cfg, checkpoint)
-    engine.optimizer.reload_model_params()
+    load_engine_weights(engine, checkpoint)
     return engine
 
 
@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gspo_megatron.megatron import cpu_compat
 
     cpu_compat.apply()  # before megatron-core is imported
-    from gspo_megatron.checkpoint.loading import read_model_config
+    from gspo_megatron.checkpoint.reading import read_model_config
     from gspo_megatron.megatron import parallel
     from gspo_megatron.spec.layout import LayoutError
 
