@@ -141,8 +141,9 @@ class Evaluation:
 
     def run(self, out_dir: Path) -> dict[str, dict[str, float]]:
         from gspo_megatron.evaluation.benchmarks import run_benchmark, write_records
+        from gspo_megatron.files import write_atomically
         from gspo_megatron.rollout.engine import response_text
-        from gspo_megatron.run_files import note, write_atomically
+        from gspo_megatron.run_files import note
 
         stop = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
         r = self.cfg.rollout

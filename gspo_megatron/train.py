@@ -61,12 +61,14 @@ def run_composed(raw: dict, run_dir: Path) -> None:
     """
     from gspo_megatron.checkpoint.mapping import ConversionError
     from gspo_megatron.checkpoint.meta import CheckpointError
+    from gspo_megatron.files import LaunchError
+    from gspo_megatron.run_files import RunFileError, check_run_directory
 
     try:
         run_cfg, model, layout = resolve(raw, int(os.environ.get("WORLD_SIZE", "1")))
-        from gspo_megatron.run_files import check_run_directory
-
-        check_run_directory(run_dir, run_cfg)
+        # Rank 0 takes the run directory (its lock, kept until this process ends) and writes
+        # run_config.json; every rank checks it. Before the process group exists.
+        lock = check_run_directory(run_dir, run_cfg)  # noqa: F841 - held for the run's life
         from gspo_megatron.components import build_trainer
         from gspo_megatron.megatron import cpu_compat
 
@@ -75,7 +77,9 @@ def run_composed(raw: dict, run_dir: Path) -> None:
         trainer = build_trainer(run_cfg, model, layout, run_dir)
     except ConfigError as err:
         sys.exit(f"gspo-train: config error: {err}")
-    except (DataError, VocabMismatchError, CheckpointError, ConversionError) as err:
+    except (
+        DataError, VocabMismatchError, CheckpointError, ConversionError, RunFileError, LaunchError
+    ) as err:  # fmt: skip
         fail(err, traceback=False)
     except Exception as err:  # noqa: BLE001 - one line here, the traceback in the run's log
         fail(err)
