@@ -260,7 +260,11 @@ class RunCheckpoints:
     def _rotate(self, newest: int) -> None:
         older = [(s, p) for s, p in checkpoint_dirs(self.run_dir) if s <= newest]
         for step, path in older[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            # Renamed before it is deleted: a kill in between leaves a temporary (removed at
+            # the next start), never a checkpoint with files missing under its name.
+            doomed = files.temporary_path(path)
+            os.replace(path, doomed)
+            files.remove(doomed)
             self._intact.pop(step, None)
 
     def _warn_if_low_space(self) -> None:

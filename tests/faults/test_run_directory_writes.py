@@ -2,7 +2,9 @@
 before any process group exists, against the same (fresh or existing) directory. Exactly one of
 them writes; no start fails or reads half a file; nothing temporary is left behind. And every
 atomic write goes through a temporary of its own, so even writers that do race on one file
-(two jobs, or a bug) never take each other's temporary.
+(two jobs, or a bug) never take each other's temporary. A second run in the directory is
+refused; what kills leave (temporaries, a checkpoint half deleted by a rotation, records moved
+aside twice) is cleaned or kept once; a run directory that cannot be made is one line.
 """
 
 from __future__ import annotations
@@ -206,3 +208,33 @@ def test_records_moved_aside_by_an_interrupted_rewind_are_kept_once(tmp_path):
     side.write_text(side.read_text() + '{"step": 9, "reward/me')  # a kill mid-append
     log.rewind(2)
     assert side.read_text().splitlines() == [records[2], '{"step": 9, "reward/me', again]
+
+
+def test_a_rotation_killed_mid_delete_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    """The rotation deletes the oldest checkpoints beyond keep_last; a kill in the middle of a
+    deletion (here: after its first file) must not leave a checkpoint under its final name
+    with files missing. What it leaves is a temporary, removed at the next start."""
+    from gspo_megatron.run_files import RunCheckpoints
+
+    run = tmp_path / "run"
+    for step in (2, 4, 6):
+        ckpt = run / "checkpoints" / f"step_{step:06d}"
+        (ckpt / "rng").mkdir(parents=True)
+        for name in (".metadata", "__0_0.distcp", "manifest.json", "rng/rank_00000.pt"):
+            (ckpt / name).write_text(name)
+
+    class Killed(BaseException):
+        pass
+
+    def delete_one_file_then_die(path, *args, **kwargs):
+        next(f for f in sorted(Path(path).rglob("*")) if f.is_file()).unlink()
+        raise Killed
+
+    monkeypatch.setattr("shutil.rmtree", delete_one_file_then_die)
+    with pytest.raises(Killed):
+        RunCheckpoints(run, keep_last=2)._rotate(6)
+    monkeypatch.undo()
+    left = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert left[1:] == ["step_000004", "step_000006"] and files.is_temporary(left[0]), left
+    check_run_directory(run, _run_config()).release()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == left[1:]
