@@ -111,13 +111,48 @@ def fail(err: BaseException, *, traceback: bool = True, program: str = "gspo-tra
 
 
 def start(program: str, app) -> None:
-    """A console script: the schema, keys of earlier versions refused by name, Hydra's `app`."""
+    """A console script: the schema, keys of earlier versions refused by name, Hydra's `app`.
+
+    Errors in Hydra's own set-up come back as one line: a bad override or config group, or
+    the run directory or its log file that cannot be created (a full disk, a quota,
+    permissions), which Hydra would print as a traceback."""
+    from hydra.errors import HydraException
+
     register_schema()
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as err:
         sys.exit(f"{program}: config error: {err}")
-    app()
+    # Hydra raises what fails in its set-up instead of printing it (the run function itself
+    # never raises: it ends with one line and an exit status).
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        app()
+    except HydraException as err:
+        cause = f" ({_one_line(err.__cause__)})" if err.__cause__ else ""
+        sys.exit(f"{program}: config error: {_one_line(err)}{cause}")
+    except Exception as err:
+        reason = _os_error_in(err)
+        if reason is None:
+            raise
+        sys.exit(f"{program}: error: {_one_line(reason)}")
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _os_error_in(err: BaseException) -> OSError | None:
+    """The OSError an exception is, or was raised from (logging's "Unable to configure
+    handler" wraps the log file's)."""
+    seen: set[int] = set()
+    node: BaseException | None = err
+    while node is not None and id(node) not in seen:
+        if isinstance(node, OSError):
+            return node
+        seen.add(id(node))
+        node = node.__cause__ or node.__context__
+    return None
 
 
 def main() -> None:

@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
 import pytest
+from launch import gspo_train_env
 
 from gspo_megatron import files
 from gspo_megatron.config import ConfigError, compose, resolve, to_dict
@@ -238,3 +241,17 @@ def test_a_rotation_killed_mid_delete_leaves_no_partial_checkpoint(tmp_path, mon
     assert left[1:] == ["step_000004", "step_000006"] and files.is_temporary(left[0]), left
     check_run_directory(run, _run_config()).release()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == left[1:]
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path):
+    """Hydra makes the run directory and its log file before gspo-train runs: when it cannot
+    (here a file is in the way; a full disk or a quota alike) the user gets one line."""
+    (tmp_path / "file").write_text("")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gspo_megatron.train", f"hydra.run.dir={tmp_path}/file/run"],
+        capture_output=True, text=True, timeout=300, env=gspo_train_env(),
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"gspo-train: error: [Errno 20] Not a directory: '{tmp_path}/file/run'"
+    ]
