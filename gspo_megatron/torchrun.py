@@ -63,15 +63,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         torchrun_main(list(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as err:
-        failures = err.failures
-        codes = sorted({f.exitcode for f in failures.values()})
+        exits = {rank: f.exitcode for rank, f in err.failures.items()}
         print(
-            f"gspo-torchrun: {len(failures)} worker(s) failed (exit codes {codes}); "
+            f"gspo-torchrun: {len(exits)} worker(s) failed ({describe_exits(exits)}); "
             "see their messages above",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def describe_exits(exits: dict[int, int]) -> str:
+    """"rank 3: killed (SIGKILL); ranks 0, 1, 2: SIGTERM": the ranks by how each ended (torchrun
+    sends SIGTERM to the others once one fails)."""
+    by_code: dict[int, list[int]] = {}
+    for rank, code in sorted(exits.items()):
+        by_code.setdefault(code, []).append(rank)
+    parts = []
+    for code, ranks in sorted(by_code.items(), key=lambda item: item[1][0]):
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else -code
+            how = f"killed ({name})" if name == "SIGKILL" else f"{name}"
+        else:
+            how = f"exit {code}"
+        parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {how}")
+    return "; ".join(parts)
 
 
 if __name__ == "__main__":

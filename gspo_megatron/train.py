@@ -126,6 +126,7 @@ def start(program: str, app) -> None:
     # Hydra raises what fails in its set-up instead of printing it (the run function itself
     # never raises: it ends with one line and an exit status).
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    quiet_failure_noise()
     try:
         app()
     except HydraException as err:
@@ -136,6 +137,23 @@ def start(program: str, app) -> None:
         if reason is None:
             raise
         sys.exit(f"{program}: error: {_one_line(reason)}")
+
+
+def quiet_failure_noise() -> None:
+    """When a rank of the job is gone, the others leave with one line each; two libraries
+    would add to it on the user's terminal (this process's environment reaches its children):
+
+    - c10d's store client logs every failed call with its C++ stack (the job's store dies with
+      the launcher): torch's C++ warnings are off unless TORCH_CPP_LOG_LEVEL says otherwise;
+    - Python's resource tracker, cleaning up the semaphores of the rollout generator's queues
+      (rollout.mode=async) after rank 0 ended abruptly, warns that they "leaked": they are
+      unlinked, nothing is lost.
+    """
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    tracker = "ignore:resource_tracker:UserWarning"
+    filters = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
+    if tracker not in filters:
+        os.environ["PYTHONWARNINGS"] = ",".join([*filters, tracker])
 
 
 def _one_line(err: BaseException) -> str:

@@ -100,6 +100,27 @@ def test_other_rank_leaves_within_seconds_when_one_is_gone(tmp_path, fault):
         assert "rank 1 sent no heartbeat" in out
 
 
+def test_workers_leave_with_one_line_each_when_the_launcher_is_killed(tmp_path):
+    """kill -9 of gspo_megatron.torchrun: the job's store (the launcher held it) is gone, and
+    each worker's watchdog notices within seconds and leaves with one line; c10d's C++ stack
+    traces of the failed store calls do not reach the user."""
+    proc = start(tmp_path, "trainer.steps=500")
+    wait_for_records(tmp_path, 2, proc)
+    workers = [worker(proc, 0), worker(proc, 1)]
+    proc.kill()
+    gone_at = time.monotonic()
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} worker(s) still running 30 s after the launcher was killed"
+    elapsed = time.monotonic() - gone_at
+    out = proc.communicate(timeout=60)[0]
+    assert elapsed < 15, elapsed
+    lines = [x for x in out.splitlines() if x.startswith("gspo-train: rank")]
+    assert len(lines) == 2 and all("rendezvous store is unreachable" in x for x in lines), out
+    assert "Exception raised from" not in out and "frame #0" not in out, out[-3000:]
+
+
 def test_checkpoint_damaged_on_one_rank_is_rejected_by_both(tmp_path):
     """Rank 1's RNG file of the newest checkpoint is damaged: both ranks fall back to the
     previous checkpoint together (no rank resumes at a different step, nothing hangs)."""
@@ -114,3 +135,12 @@ def test_checkpoint_damaged_on_one_rank_is_rejected_by_both(tmp_path):
     assert "rank_00001.pt: checksum mismatch" in proc.stderr
     assert "resumed at step 1" in proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_gspo_torchrun_says_how_each_worker_ended():
+    from gspo_megatron.torchrun import describe_exits
+
+    assert describe_exits({3: -9, 0: -15, 1: -15, 2: -15}) == (
+        "ranks 0, 1, 2: SIGTERM; rank 3: killed (SIGKILL)"
+    )
+    assert describe_exits({1: 1, 0: -15}) == "rank 0: SIGTERM; rank 1: exit 1"
