@@ -145,19 +145,22 @@ class Thrower:
         self.job, self.run_dir, self.steps = job, run_dir, steps
         self.disk, self.server = disk, server
         self.thrown: list[str] = []
-        self._threads: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
 
     def start(self, faults: list[Fault]) -> None:
+        """Throw the external faults one after another, in the order of their triggers (a
+        stop lasts before the next is thrown), so that the kill ending an attempt comes last."""
+        due = sorted((f for f in faults if not f.inject), key=lambda f: (f.at_records, f.delay_s))
+        self._thread = threading.Thread(target=self._throw_all, args=(due,), daemon=True)
+        self._thread.start()
+
+    def _throw_all(self, faults: list[Fault]) -> None:
         for fault in faults:
-            if fault.inject:
-                continue
-            t = threading.Thread(target=self._throw_when_due, args=(fault,), daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._throw_when_due(fault)
 
     def join(self) -> None:
-        for t in self._threads:
-            t.join(timeout=30)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
 
     def _records(self) -> int:
         try:

@@ -32,6 +32,10 @@ SAVE_CRASHES = {
     "enospc_in_save": None,
 }
 NONFATAL = ("stop_rank", "slow_fs", "server_hang")
+# Kinds a run may survive (a short stop or hang, a server back in time, a full disk while
+# nothing is written): an attempt of these alone ends with a kill after them, so that the
+# history goes on.
+SURVIVABLE = (*NONFATAL, "server_kill", "disk_full")
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ def draw_history(seed: int, index: int, faults: int) -> History:
     engine = rng.choice(("embedded", "sglang"))
     steps = STEPS[ranks]
     kinds = [k for k in KINDS if _applies(k, engine, mode)]
+    companions = [k for k in NONFATAL if _applies(k, engine, mode)]
     attempts: list[list[Fault]] = []
     left = faults
     while left > 0:
@@ -98,8 +103,14 @@ def draw_history(seed: int, index: int, faults: int) -> History:
             odd = rng.choice([n for n in range(5, steps, 2)])
             attempts.append([Fault("kill_rank", odd, 0.0, rank=rng.randrange(ranks))])
             left -= 1
-        elif left > 1 and attempt[0].kind not in NONFATAL and rng.random() < 0.3:
-            attempt.append(_draw(rng, rng.choice(NONFATAL[:2]), ranks, steps))
+        # Faults in combination: a stop, a slow filesystem or a hung server on top, now and
+        # then two.
+        while len(attempt) < left and rng.random() < 0.4:
+            attempt.append(_draw(rng, rng.choice(companions), ranks, steps))
+        if all(f.kind in SURVIVABLE for f in attempt):
+            later = max(f.at_records for f in attempt) + rng.randrange(1, 3)
+            kill = rng.choice(("kill_rank", "kill_launcher"))
+            attempt.append(Fault(kill, later, 0.0, rank=rng.randrange(ranks)))
         attempts.append(attempt)
         left -= len(attempt)
     return History(index, seed, ranks, mode, engine, steps, attempts)
@@ -120,7 +131,7 @@ def _draw(rng: random.Random, kind: str, ranks: int, steps: int) -> Fault:
     if kind in ("kill_rank", "kill_launcher"):
         return Fault(kind, at, delay, rank=rank)
     if kind in ("stop_rank", "server_hang", "server_kill", "disk_full"):
-        return Fault(kind, at, delay, rank=rank, seconds=round(rng.uniform(1.0, 10.0), 1))
+        return Fault(kind, at, delay, rank=rank, seconds=round(rng.uniform(1.0, 16.0), 1))
     if kind == "slow_fs":
         slow = round(rng.uniform(0.01, 0.2), 3)
         return Fault(kind, at, delay, seconds=round(rng.uniform(3.0, 15.0), 1), slow_s=slow)

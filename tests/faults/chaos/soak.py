@@ -43,7 +43,7 @@ BASE = [
     "logging.tensorboard=false",
     "trainer.save_every=2",
     "trainer.keep_last=2",
-    "trainer.peer_timeout_s=5",
+    "trainer.peer_timeout_s=8",
     "seed=7",
 ]
 ASYNC = ["rollout.mode=async", "rollout.queue_batches=2", "rollout.max_staleness=2"]
