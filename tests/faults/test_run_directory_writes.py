@@ -255,3 +255,25 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"gspo-train: error: [Errno 20] Not a directory: '{tmp_path}/file/run'"
     ]
+
+
+def test_a_directory_is_replaced_whole(tmp_path):
+    """files.staged swaps a new directory in for an old one (the disk export of a version
+    written again after a resume, a converter's --overwrite); a failure keeps the old one."""
+    target = tmp_path / "weights_v3"
+    for content in ("old", "new"):
+        with files.staged(target) as tmp:
+            tmp.mkdir()
+            (tmp / "model.safetensors").write_text(content)
+    with pytest.raises(OSError), files.staged(target) as tmp:
+        tmp.mkdir()
+        raise OSError(28, "No space left on device")
+    assert (target / "model.safetensors").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["weights_v3"]
+
+
+def test_the_writer_is_known_from_the_launcher_before_any_process_group():
+    assert files.launcher_rank({}) == 0
+    assert files.launcher_rank({"RANK": "3", "WORLD_SIZE": "8"}) == 3
+    with pytest.raises(files.LaunchError, match="WORLD_SIZE=8 but RANK is not set"):
+        files.launcher_rank({"WORLD_SIZE": "8"})

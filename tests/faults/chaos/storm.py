@@ -41,6 +41,7 @@ class Start:
 
 
 def start_once(root: Path, kind: str, index: int, nproc: int, timeout: float = 600) -> Start:
+    root.mkdir(parents=True, exist_ok=True)
     run_dir = root / (f"fresh_{index}" if kind == "fresh" else "existing")
     steps = 1 if kind == "fresh" else index + 1
     log = root / f"{kind}_{index}.log"
