@@ -31,6 +31,7 @@ class Outcome:
     seconds: float
     output: str
     survivors: list[str] = field(default_factory=list)  # processes alive after it ended
+    timed_out: bool = False  # killed by the harness past its timeout
 
     @property
     def errors(self) -> list[str]:
@@ -140,9 +141,7 @@ class Job:
                 continue
         self._out.close()
         output = self.log.read_text(errors="replace")
-        if timed_out:
-            output += f"\n[harness] the job ran past {timeout:.0f} s and was killed\n"
-        return Outcome(self.proc.returncode, seconds, output, survivors)
+        return Outcome(self.proc.returncode, seconds, output, survivors, timed_out)
 
     def kill(self) -> None:
         for p in self.processes():

@@ -47,7 +47,7 @@ def start_once(root: Path, kind: str, index: int, nproc: int, timeout: float = 6
     log = root / f"{kind}_{index}.log"
     job = Job(run_dir, [*TINY, f"trainer.steps={steps}"], nproc, log)
     outcome = job.finish(timeout=timeout)
-    problems = []
+    problems = [f"ran past {timeout:.0f} s"] if outcome.timed_out else []
     if outcome.returncode != 0:
         if not outcome.errors:
             problems.append(f"exit {outcome.returncode} without a one-line error")
