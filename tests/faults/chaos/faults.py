@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from faults.chaos.jobs import Job
 from faults.chaos.schedule import Fault
 from launch import REPO
@@ -195,7 +196,10 @@ class Thrower:
     def _throw_when_due(self, fault: Fault) -> None:
         if not self._wait(fault):
             return
-        done = self._throw(fault)
+        try:
+            done = self._throw(fault)
+        except psutil.Error:  # the process ended meanwhile: what was done still counts
+            done = "its target ended while it was thrown"
         if done:
             self.thrown.append(f"{fault.kind}: {done}")
 
