@@ -74,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def describe_exits(exits: dict[int, int]) -> str:
-    """"rank 3: killed (SIGKILL); ranks 0, 1, 2: SIGTERM": the ranks by how each ended (torchrun
-    sends SIGTERM to the others once one fails)."""
+    """The ranks by how each ended, e.g. "rank 3: killed (SIGKILL); ranks 0, 1, 2: SIGTERM"
+    (torchrun sends SIGTERM to the others once one fails)."""
     by_code: dict[int, list[int]] = {}
     for rank, code in sorted(exits.items()):
         by_code.setdefault(code, []).append(rank)
