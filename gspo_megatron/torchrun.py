@@ -23,6 +23,21 @@ from collections.abc import Sequence
 
 # torchrun installs its own handlers only for these; SIGTERM and SIGINT stay ours.
 _TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+# The launcher's pid, for its workers (their parent): see die_with_launcher.
+LAUNCHER_PID = "GSPO_LAUNCHER_PID"
+
+
+def die_with_launcher() -> None:
+    """In a torchrun worker (gspo-train, gspo-eval): be killed with the launcher. The job's
+    store dies with it, which the peer watchdog notices once training runs; a worker still
+    starting (joining the process group, building the model) would wait for the store for
+    minutes, and a run started again in its directory would find it there."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    from gspo_megatron.isolation.worker import die_with_parent
+
+    launcher = os.environ.get(LAUNCHER_PID)
+    die_with_parent(int(launcher) if launcher else None)
 
 
 def forward_stop_signals() -> None:
@@ -57,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     os.environ["PET_SIGNALS_TO_HANDLE"] = _TORCHRUN_SIGNALS
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # torchrun's agent runs in this process
     # torchrun's own default (one thread per worker), set here so it does not print a banner.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     forward_stop_signals()

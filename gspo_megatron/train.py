@@ -118,6 +118,9 @@ def start(program: str, app) -> None:
     permissions), which Hydra would print as a traceback."""
     from hydra.errors import HydraException
 
+    from gspo_megatron.torchrun import die_with_launcher
+
+    die_with_launcher()
     register_schema()
     try:
         check_overrides(sys.argv[1:])

@@ -1,10 +1,13 @@
 """Processes off the happy path, through `gspo-train` under gspo_megatron.torchrun with two
 ranks: SIGTERM checkpoints and exits 0; a rank killed or hung makes the other leave within
-seconds with a message; a checkpoint damaged on one rank only is rejected by both together.
+seconds with a message; the workers die with a killed launcher; a checkpoint damaged on one rank
+only is rejected by both together; what the user sees is our lines, not the libraries' noise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -100,25 +103,29 @@ def test_other_rank_leaves_within_seconds_when_one_is_gone(tmp_path, fault):
         assert "rank 1 sent no heartbeat" in out
 
 
-def test_workers_leave_with_one_line_each_when_the_launcher_is_killed(tmp_path):
-    """kill -9 of gspo_megatron.torchrun: the job's store (the launcher held it) is gone, and
-    each worker's watchdog notices within seconds and leaves with one line; c10d's C++ stack
-    traces of the failed store calls do not reach the user."""
+@pytest.mark.parametrize("when", ["starting", "training"])
+def test_workers_die_with_their_launcher(tmp_path, when):
+    """kill -9 of gspo_megatron.torchrun: its workers die with it (PR_SET_PDEATHSIG), whether
+    they were still starting (before the process group or the peer watchdog exist: they would
+    wait minutes for the job's store, holding the run directory's lock) or training; nothing
+    but notes reaches the terminal (no C++ stack of a failed store call)."""
     proc = start(tmp_path, "trainer.steps=500")
-    wait_for_records(tmp_path, 2, proc)
-    workers = [worker(proc, 0), worker(proc, 1)]
+    if when == "training":
+        wait_for_records(tmp_path, 2, proc)
+    deadline = time.monotonic() + 120
+    workers = []
+    while len(workers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        with contextlib.suppress(AssertionError):
+            workers = [worker(proc, 0), worker(proc, 1)]
+    assert len(workers) == 2, "no workers started"
     proc.kill()
-    gone_at = time.monotonic()
-    _, alive = psutil.wait_procs(workers, timeout=30)
+    _, alive = psutil.wait_procs(workers, timeout=10)
     for p in alive:
         p.kill()
-    assert not alive, f"{len(alive)} worker(s) still running 30 s after the launcher was killed"
-    elapsed = time.monotonic() - gone_at
     out = proc.communicate(timeout=60)[0]
-    assert elapsed < 15, elapsed
-    lines = [x for x in out.splitlines() if x.startswith("gspo-train: rank")]
-    assert len(lines) == 2 and all("rendezvous store is unreachable" in x for x in lines), out
-    assert "Exception raised from" not in out and "frame #0" not in out, out[-3000:]
+    assert not alive, f"{len(alive)} worker(s) still running 10 s after the launcher was killed"
+    assert all(x.startswith("[gspo-megatron]") for x in out.splitlines() if x.strip()), out
 
 
 def test_checkpoint_damaged_on_one_rank_is_rejected_by_both(tmp_path):
@@ -144,3 +151,22 @@ def test_gspo_torchrun_says_how_each_worker_ended():
         "ranks 0, 1, 2: SIGTERM; rank 3: killed (SIGKILL)"
     )
     assert describe_exits({1: 1, 0: -15}) == "rank 0: SIGTERM; rank 1: exit 1"
+
+
+def test_libraries_noise_is_off_in_every_process_of_a_job(monkeypatch):
+    """c10d's C++ warnings (each failed store call with its C++ stack, when the store's node is
+    lost) and the resource tracker's "leaked semaphore" warning are off in the environment the
+    job's processes inherit; a user's TORCH_CPP_LOG_LEVEL stays. (Their effect: the async kill
+    test in tests/trainer/test_train_e2e.py, and the soak's launcher kills before processes
+    died with their launcher.)"""
+    from gspo_megatron.train import quiet_failure_noise
+
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    quiet_failure_noise()
+    quiet_failure_noise()
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert os.environ["PYTHONWARNINGS"] == "default,ignore:resource_tracker:UserWarning"
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    quiet_failure_noise()
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
