@@ -67,8 +67,8 @@ def measure(rounds: int) -> None:
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.device import accelerator, pinned_for_accelerator
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
     from gspo_megatron.megatron.offload import StateOffloader
+    from gspo_megatron.megatron.training_engine import TrainingEngine
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
     from gspo_megatron.spec.model_config import load_preset

@@ -31,8 +31,8 @@ def build_embedded(preset: str, batch_tokens: int, backend: str = "auto"):
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
-    from gspo_megatron.rollout.embedded import EmbeddedEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.model_config import load_preset
     from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
@@ -60,7 +60,7 @@ def build_hf(config):
 
 def time_embedded(engine, prompts, n: int, new_tokens: int, seed: int):
     """(wall seconds, CPU seconds, generated tokens)."""
-    from gspo_megatron.rollout.engine import SamplingParams
+    from gspo_megatron.rollout.base import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed)
     wall, cpu = time.perf_counter(), time.process_time()

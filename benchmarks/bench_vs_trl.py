@@ -127,7 +127,7 @@ def write_prompts(path: Path, count: int, seed: int) -> None:
 
 
 def response_text(tok, ids: list[int]) -> str:
-    """What gspo-train's reward sees (Trainer.response_text): all but a final <eos>."""
+    """What gspo-train's reward sees (RolloutCollector.response_text): all but a final <eos>."""
     if ids and ids[-1] == tok.eos_token_id:
         ids = ids[:-1]
     return tok.decode(ids, skip_special_tokens=False)
@@ -376,7 +376,7 @@ def _engine_losses(hf_dir, prompts, completions, old_lp, advantages, info) -> di
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
     from gspo_megatron.spec.model_config import ModelConfig

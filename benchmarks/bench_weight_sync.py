@@ -32,8 +32,8 @@ def build_source(hidden: int, layers: int):
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
-    from gspo_megatron.rollout.weight_export import MegatronWeightSource
+    from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.megatron.weight_export import MegatronWeightSource
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.model_config import load_preset
     from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
@@ -107,7 +107,8 @@ def main() -> int:
     sys.path.insert(0, str(REPO / "tests" / "rollout"))
     from sglang_test_server import start_fake_server
 
-    from gspo_megatron.rollout.sglang import SGLangEngine, SGLangEngineConfig
+    from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
+    from gspo_megatron.rollout.sglang.engine import SGLangEngine
 
     server = start_fake_server(routed_experts=False)
     try:

@@ -242,9 +242,9 @@ def measure(args: argparse.Namespace, device_name: str) -> tuple[dict, dict]:
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
-    from gspo_megatron.rollout.embedded import EmbeddedEngine
-    from gspo_megatron.rollout.engine import SamplingParams
+    from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.rollout.base import SamplingParams
+    from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
     from gspo_megatron.spec.model_config import load_preset

@@ -27,13 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo_megatron.rollout.engine import SamplingParams  # noqa: E402
-from gspo_megatron.rollout.sglang import (  # noqa: E402
-    ServerLaunchConfig,
-    SGLangEngine,
-    SGLangEngineConfig,
-    SGLangServerProcess,
-)
+from gspo_megatron.rollout.base import SamplingParams  # noqa: E402
+from gspo_megatron.rollout.sglang.config import ServerLaunchConfig, SGLangEngineConfig  # noqa: E402
+from gspo_megatron.rollout.sglang.engine import SGLangEngine  # noqa: E402
+from gspo_megatron.rollout.sglang.launcher import SGLangServerProcess  # noqa: E402
 
 
 class HFWeightSource:

@@ -18,6 +18,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     from gspo_megatron.peers import PeerWatchdog
     from gspo_megatron.ranks import ProcessGroupRanks
     from gspo_megatron.rewards.registry import build_scorer
+    from gspo_megatron.rollout.backends import rollout_backend
     from gspo_megatron.run_files import MetricsLogger, RunCheckpoints
     from gspo_megatron.trainer import Trainer
 
@@ -41,13 +42,14 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         cfg, tokenizer, eval_data, scorer, vocab_size=model.vocab_size, seed=cfg.seed
     )
     _warn_about_memory(cfg, model, layout)
-    if cfg.rollout.engine == "sglang":
-        sglang_config(cfg)  # its errors before the model is built
+    # the rollout backend's files in the run directory (SGLang's memory record), before the
+    # model is built
+    rollout_backend(cfg.rollout.engine).check_run_dir(cfg, run_dir)
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
     if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0:
-        from gspo_megatron.megatron.engine import TrainingEngine
+        from gspo_megatron.megatron.training_engine import TrainingEngine
 
         # The initial policy, frozen: copied before a resume loads the policy's checkpoint, so a
         # resumed run keeps the same reference (model.init_from, or the seeded initialisation).
@@ -60,7 +62,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         reward_model = RewardModel.load(
             cfg.reward.model_path, layout, cfg.engine, params_dtype=model.params_dtype
         )
-    rollout, weight_source = build_rollout(cfg, engine)
+    rollout, weight_source = build_rollout(cfg, engine, run_dir)
     ranks = ProcessGroupRanks()
     return Trainer(
         cfg,
@@ -109,7 +111,7 @@ def load_run_tokenizer(cfg: RunConfig):
 
 
 def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout):
-    from gspo_megatron.megatron.engine import TrainingEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
 
     engine = TrainingEngine(
         model,
@@ -164,7 +166,7 @@ def build_critic(cfg: RunConfig, policy, run_dir: Path):
     run directory (removed after)."""
     from gspo_megatron.checkpoint import load_engine_weights
     from gspo_megatron.megatron import checkpointing, parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
 
     layout = cfg.critic_layout(policy.layout.world_size)
     groups = None if layout == policy.layout else parallel.LayoutGroups(layout, seed=cfg.seed)
@@ -212,97 +214,13 @@ def init_weights(engine, source: str) -> None:
     )
 
 
-def build_rollout(cfg: RunConfig, engine):
-    """The rollout engine and, for external engines, the weight source it syncs from."""
-    r = cfg.rollout
-    record_routes = cfg.algorithm.routing_replay == "r3"
-    if r.mode != "sync" and r.engine == "embedded":
-        return build_generator_process(cfg, engine, record_routes)
-    if r.engine == "embedded":
-        from gspo_megatron.rollout.embedded import EmbeddedEngine
+def build_rollout(cfg: RunConfig, policy, run_dir: Path):
+    """The rollout engine of rollout.engine's backend (rollout/backends.py) and the weight
+    source it syncs from (None when it shares the policy's weights). It keeps what a resumed
+    run must know in `run_dir` (SGLang: the servers' released memory, docs/SGLANG.md, "Server
+    memory")."""
+    from gspo_megatron.rollout.backends import RunContext, rollout_backend
+    from gspo_megatron.run_files import note
 
-        return (
-            EmbeddedEngine(
-                engine,
-                max_batch_tokens=r.max_batch_tokens,
-                record_routes=record_routes,
-                seed=cfg.seed,
-            ),
-            None,
-        )
-    from gspo_megatron.rollout.sglang import SGLangEngine
-    from gspo_megatron.rollout.weight_export import MegatronWeightSource
-
-    source = MegatronWeightSource.from_engine(engine)
-    # Rank 0, the weights' sender, launches and drives the servers (rollout/driver.py).
-    engine_cfg, leader = sglang_config(cfg), source.is_sender()
-    return SGLangEngine(engine_cfg, leader=leader, partial_rollouts=r.mode == "async"), source
-
-
-def build_generator_process(cfg: RunConfig, engine, record_routes: bool):
-    """The embedded engine's asynchronous form (rollout.mode one_step_off / async) and the
-    weight source it copies from; rank 0 starts the process."""
-    from gspo_megatron.rollout.generator import GeneratorProcessEngine
-    from gspo_megatron.rollout.weight_export import MegatronWeightSource
-
-    source = MegatronWeightSource.from_engine(engine)
-    settings, rope = generator_settings(cfg, engine, record_routes)
-    dtype = engine.config.params_dtype
-    weights = {name: (shape, dtype) for name, shape in source.hf_shapes().items()}
-    return GeneratorProcessEngine(settings, weights, rope, leader=source.is_sender()), source
-
-
-def generator_settings(cfg: RunConfig, engine, record_routes: bool):
-    """The generator process's settings and the trainer's RoPE angles [positions, head dim]."""
-    import torch
-
-    from gspo_megatron.device import accelerator
-    from gspo_megatron.rollout.decoders import decoder_spec, torch_decoder_math_unsupported
-    from gspo_megatron.rollout.generator import GeneratorSettings
-
-    model = engine.unwrapped_chunks[0]
-    reason = torch_decoder_math_unsupported(model, engine.config)
-    if reason is not None:
-        raise ConfigError(
-            f"rollout.mode={cfg.rollout.mode}: the generator process cannot run this model "
-            f"({reason})"
-        )
-    model_config = engine.model_config
-    max_length = min(cfg.engine.max_sequence_length, model_config.max_position_embeddings)
-    settings = GeneratorSettings(
-        model=model_config,
-        spec=decoder_spec(model, engine.config, model_config.vocab_size),
-        max_batch_tokens=cfg.rollout.max_batch_tokens,
-        max_sequence_length=max_length,
-        record_routes=record_routes,
-        route_shape=(engine.config.num_layers, engine.config.moe_router_topk or 0),
-        partial=cfg.rollout.mode == "async",
-        seed=cfg.seed,
-        device=str(accelerator()) if torch.cuda.is_available() else "cpu",
-    )
-    return settings, model.rotary_pos_emb.get_emb(max_length)[:, 0, 0, :].cpu()
-
-
-def sglang_config(cfg: RunConfig):
-    """rollout.sglang as an SGLangEngineConfig; a bad key or value is a ConfigError."""
-    from gspo_megatron.rollout.sglang import ServerLaunchConfig, SGLangEngineConfig
-
-    values = dict(cfg.rollout.sglang)
-    try:
-        values["launch"] = [ServerLaunchConfig(**entry) for entry in values.get("launch", [])]
-        engine_cfg = SGLangEngineConfig(**values)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"rollout.sglang: {err}") from err
-    mode = cfg.rollout.mode
-    if mode != "sync" and engine_cfg.weight_sync == "tensor":
-        raise ConfigError(
-            f"rollout.sglang.weight_sync=tensor with rollout.mode={mode}: tensor mode is for "
-            "servers colocated with the trainer on its GPUs, where generation and training take "
-            "turns; overlapping them needs servers of their own (weight_sync=distributed or disk)"
-        )
-    if mode != "sync" and engine_cfg.offload_after_generate:
-        raise ConfigError(
-            f"rollout.sglang.offload_after_generate with rollout.mode={mode}: batches generate "
-            "while others are queued, so the servers' memory cannot leave after each one"
-        )
-    return engine_cfg
+    run = RunContext(run_dir=Path(run_dir), announce=note)
+    return rollout_backend(cfg.rollout.engine).build(cfg, policy, run)

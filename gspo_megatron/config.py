@@ -17,19 +17,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_megatron import CONF_DIR
-from gspo_megatron.config_fields import bounded, check_fields, choice
+from gspo_megatron.config_fields import ConfigError, bounded, check_fields, choice
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.data.tokenizer import CHAR_TOKENIZER_NAMES
 from gspo_megatron.envs.registry import EnvConfig
-from gspo_megatron.evaluation.config import REWARD_KEYS, EvalConfig
+from gspo_megatron.evaluation.config import EvalConfig, benchmark_reading, benchmark_reward
 from gspo_megatron.rewards.registry import RewardConfig
+from gspo_megatron.rollout.backends import rollout_backend
+from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key and what to change."""
+def open_in_hydra(factory) -> Any:
+    """A section Hydra composes as a plain mapping, so that `+section.key=value` adds a key as
+    it always has; `resolve` builds the dataclass and checks its keys, naming them."""
+    return field(default_factory=factory, metadata={"open_in_hydra": True})
 
 
 @dataclass
@@ -184,14 +188,17 @@ class CriticSection:
 class RolloutSection:
     """`rollout/`: how responses are generated.
 
-    engine: embedded (in-process, default) | sglang. prompts_per_step × group_size responses
+    engine: embedded (in-process, default) | sglang: a name in ROLLOUT_BACKENDS
+    (gspo_megatron/rollout/backends.py). prompts_per_step × group_size responses
     per RL step. Sampling: temperature, top_p, top_k (-1 off), max_new_tokens (evaluation's
-    sampling is the `eval` section's). sglang: keyword arguments of
-    gspo_megatron.rollout.sglang.SGLangEngineConfig.
+    sampling is the `eval` section's; the default 5 fits the default task: a 3-digit answer,
+    the end token, and one token more, so that running past the answer costs credit).
+    sglang: the SGLang engine's section (gspo_megatron/rollout/sglang/config.py,
+    SGLangEngineConfig), read with rollout.engine=sglang.
     mode: sync (generate, then train) | one_step_off (batch k+1 generates while batch k trains,
     with the weights from before step k) | async (queue_batches batches generate ahead, taking
     new weights between any two tokens: partial rollouts). One_step_off and async run the
-    embedded engine in a generator process of its own (gspo_megatron/rollout/generator.py);
+    embedded engine in a generator process of its own (gspo_megatron/rollout/embedded/generator.py);
     SGLang servers generate the batches ahead, a weight update aborting (async) or waiting for
     (one_step_off) the requests running.
     max_staleness: no trained token was sampled by weights more than this many versions older
@@ -200,7 +207,7 @@ class RolloutSection:
     the loss the tokens a response sampled before its last weight swap.
     """
 
-    engine: str = choice("embedded", "sglang")
+    engine: str = "embedded"  # a name of rollout/backends.py's ROLLOUT_BACKENDS
     mode: str = choice("sync", "one_step_off", "async")
     max_staleness: int = bounded(1, ge=0)
     queue_batches: int = bounded(2, ge=1)
@@ -210,9 +217,9 @@ class RolloutSection:
     temperature: float = bounded(1.0, ge=0)
     top_p: float = bounded(1.0, gt=0, le=1)
     top_k: int = bounded(-1, ge=1, special=(-1,))
-    max_new_tokens: int = bounded(4, ge=1)
+    max_new_tokens: int = bounded(5, ge=1)
     max_batch_tokens: int = bounded(16384, ge=1)
-    sglang: dict[str, Any] = field(default_factory=dict)
+    sglang: SGLangEngineConfig = open_in_hydra(SGLangEngineConfig)
 
 
 @dataclass
@@ -344,10 +351,14 @@ def register_schema() -> None:
     """Store these dataclasses in Hydra's ConfigStore as `gspo_config`, the node conf/config.yaml
     starts from (call before composing). The model section is a plain mapping there: its keys
     are a preset's ModelConfig fields, checked by `resolve`; so are mappings of sections
-    (eval.benchmarks), so that a new entry can be given whole on the command line."""
+    (eval.benchmarks), so that a new entry can be given whole on the command line, and the
+    sections marked `open_in_hydra` (rollout.sglang)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="gspo_config", node=_hydra_schema(RunConfig))
+
+
+_MAPPING = {"mapping": True}  # a field of a Hydra schema that is a plain mapping
 
 
 def _hydra_schema(cls) -> type:
@@ -357,10 +368,12 @@ def _hydra_schema(cls) -> type:
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         args = typing.get_args(hint)
-        if (cls is RunConfig and f.name == "model") or (
-            typing.get_origin(hint) is dict and args and dataclasses.is_dataclass(args[1])
+        if (
+            (cls is RunConfig and f.name == "model")
+            or f.metadata.get("open_in_hydra")
+            or (typing.get_origin(hint) is dict and args and dataclasses.is_dataclass(args[1]))
         ):
-            fields.append((f.name, dict[str, Any], field(default_factory=dict)))
+            fields.append((f.name, dict[str, Any], field(default_factory=dict, metadata=_MAPPING)))
         elif dataclasses.is_dataclass(hint) and (schema := _hydra_schema(hint)) is not hint:
             fields.append((f.name, schema, field(default_factory=_as_schema(f, schema))))
         else:
@@ -375,7 +388,12 @@ def _as_schema(f: dataclasses.Field, schema: type):
 
     def make():
         default = f.default_factory()
-        return schema(**{g.name: getattr(default, g.name) for g in dataclasses.fields(default)})
+        return schema(
+            **{
+                g.name: {} if g.metadata.get("mapping") else getattr(default, g.name)
+                for g in dataclasses.fields(schema)
+            }
+        )
 
     return make
 
@@ -408,12 +426,13 @@ def resolve(
     raw: dict[str, Any],
     world_size: int = 1,
     *,
-    check_paths: bool = True,
+    check_inputs: bool = True,
     for_training: bool = True,
 ) -> tuple[RunConfig, ModelConfig, ParallelLayout]:
     """Composed config dict -> validated RunConfig, ModelConfig and ParallelLayout.
 
-    check_paths: the input files the config names must exist (off for dry runs elsewhere).
+    check_inputs: what the run needs from outside must be here: the input files the config
+    names, SGLang servers (off for dry runs elsewhere).
     for_training: training prompts are needed (gspo-eval needs none).
     """
     raw = dict(raw)
@@ -450,51 +469,16 @@ def resolve(
         cfg.env.validate()
         cfg.eval.validate()
         for name, bench in cfg.eval.benchmarks.items():
-            benchmark_reward(cfg, bench, f"eval.benchmarks.{name}")
-            benchmark_reading(cfg, bench, f"eval.benchmarks.{name}")
+            benchmark_reward(cfg.reward, bench, f"eval.benchmarks.{name}")
+            benchmark_reading(cfg.data, bench, f"eval.benchmarks.{name}")
     except ConfigError:
         raise
     except ValueError as err:
         raise ConfigError(str(err)) from err
     _check(cfg, model, layout)
-    if check_paths and (missing := missing_paths(cfg)):
+    if check_inputs and (missing := missing_inputs(cfg)):
         raise ConfigError(missing[0])
     return cfg, model, layout
-
-
-def benchmark_reward(cfg: RunConfig, bench, key: str) -> RewardConfig:
-    """The reward section a benchmark scores with: the run's, with the benchmark's `reward`
-    keys over it and no learned reward model."""
-    if not bench.reward:
-        return cfg.reward
-    values = {k: getattr(cfg.reward, k) for k in REWARD_KEYS} | bench.reward
-    if "name" in bench.reward and "kwargs" not in bench.reward:
-        values["kwargs"] = {}  # another reward does not take the run's reward's arguments
-    reward = RewardConfig(**values)
-    try:
-        reward.validate()
-    except ValueError as err:
-        raise ConfigError(str(err).replace("reward.", f"{key}.reward.")) from err
-    return reward
-
-
-def benchmark_reading(cfg: RunConfig, bench, key: str) -> DataConfig:
-    """How a benchmark's files are read: the data section with the benchmark's `data` keys over
-    it. A benchmark's rows must all be scored, so a bad row stops loading unless its own
-    data.on_error says skip; and it needs labels."""
-    values = {"on_error": "raise"} | bench.data
-    try:
-        reading = dataclasses.replace(cfg.data, **values)
-    except TypeError as err:
-        raise ConfigError(f"{key}.data: {err}") from err
-    problems = check_fields(reading, f"{key}.data")
-    if problems:
-        raise ConfigError(problems[0])
-    if reading.label_key is None:
-        raise ConfigError(
-            f"{key}.data.label_key is null: a benchmark's problems need labels to be scored"
-        )
-    return reading
 
 
 def _check_layout_fits(layout: ParallelLayout, model: ModelConfig, cfg: RunConfig) -> None:
@@ -507,8 +491,9 @@ def _check_layout_fits(layout: ParallelLayout, model: ModelConfig, cfg: RunConfi
     layout.check_sequence_length(cfg.engine.max_sequence_length)
 
 
-def missing_paths(cfg: RunConfig) -> list[str]:
-    """Input files named by the config that do not exist here."""
+def missing_inputs(cfg: RunConfig) -> list[str]:
+    """What the run needs from outside that is not here: input files named by the config that
+    do not exist, and what the rollout backend needs (SGLang servers, when none are given)."""
     from pathlib import Path
 
     out = []
@@ -529,7 +514,7 @@ def missing_paths(cfg: RunConfig) -> list[str]:
         for path in bench.files:
             if not Path(path).exists():
                 out.append(f"eval.benchmarks.{name}.files entry {path} does not exist")
-    return out
+    return out + rollout_backend(cfg.rollout.engine).missing_inputs(cfg)
 
 
 def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
@@ -555,15 +540,6 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         )
     if alg.routing_replay != "off" and not model.is_moe:
         raise ConfigError("algorithm.routing_replay needs a Mixture-of-Experts model")
-    if (
-        alg.routing_replay == "r3"
-        and rollout.engine == "sglang"
-        and not rollout.sglang.get("return_routed_experts", False)
-    ):
-        raise ConfigError(
-            "algorithm.routing_replay=r3 with SGLang needs "
-            "rollout.sglang.return_routed_experts=true"
-        )
     engine = cfg.engine
     if engine.max_tokens_per_microbatch < engine.max_sequence_length:
         raise ConfigError(
@@ -581,9 +557,12 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
             f"algorithm.mismatch_upper={alg.mismatch_upper:g}"
         )
     _check_mismatch(alg)
+    _check_task_labels(cfg)
+    _check_room_for_the_end_token(cfg)
     _check_critic(cfg)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
+    rollout_backend(rollout.engine).check(cfg)
     _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
         alg.overlong_penalty_length
@@ -591,6 +570,49 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
         raise ConfigError(
             "algorithm.overlong_penalty_cache must be in (0, algorithm.overlong_penalty_length]"
         )
+
+
+def _check_task_labels(cfg: RunConfig) -> None:
+    """A synthetic task's labels go with the reward that reads them: code problems (expr) with
+    reward=code, answer strings with the others."""
+    task, reward = cfg.data.task, cfg.reward.name
+    if task is None:
+        return
+    from gspo_megatron.rewards.synthetic import CODE_TASKS
+
+    if task in CODE_TASKS and reward in ("synthetic", "math", "exact_match", "format"):
+        raise ConfigError(
+            f"data.task={task} labels are code problems, which reward.name={reward} cannot "
+            "score: set reward=code (or reward.name=remote against a sandbox service)"
+        )
+    if task not in CODE_TASKS and reward == "code":
+        raise ConfigError(
+            f"reward.name=code runs programs on a label's tests; data.task={task}'s labels are "
+            f"answer strings: use reward=synthetic, or data.task one of {sorted(CODE_TASKS)}"
+        )
+
+
+def _check_room_for_the_end_token(cfg: RunConfig) -> None:
+    """The synthetic reward, and the code reward on a synthetic code task (expr), give full
+    credit only to the answer followed by the end token: a response that never stops must be
+    longer than every target, so it cannot score 1."""
+    task, reward = cfg.data.task, cfg.reward.name
+    if task is None or reward not in ("synthetic", "code"):
+        return
+    from gspo_megatron.data.config import synthetic_task
+
+    longest = synthetic_task(cfg.data).max_target_chars()
+    limits = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens}
+    if cfg.eval.heldout.max_new_tokens is not None:
+        limits["eval.heldout.max_new_tokens"] = cfg.eval.heldout.max_new_tokens
+    for key, limit in limits.items():
+        if limit <= longest:
+            raise ConfigError(
+                f"{key}={limit} leaves no room for the end token after data.task="
+                f"{task}'s longest answer ({longest} characters): the {reward} reward "
+                f"gives full credit only to the answer followed by the end token; set {key} >= "
+                f"{longest + 1}"
+            )
 
 
 def _check_rollout_mode(cfg: RunConfig) -> None:
@@ -736,6 +758,10 @@ def _build(cls, raw: Any, path: str):
     if unknown:
         where = f"{path}.{unknown[0]}" if path else unknown[0]
         raise ConfigError(f"unknown config key {where}")
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and f.name not in raw:
+            raise ConfigError(f"{path}.{f.name} is required" if path else f"{f.name} is required")
     values = {}
     for name, value in raw.items():
         hint = hints[name]
@@ -759,6 +785,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin in (list, tuple) or hint in (list, tuple):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key} must be a list, got {value!r}")
+        if args and dataclasses.is_dataclass(args[0]):
+            return [_build(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
         return list(value)
     if origin is dict or hint is dict:
         if not isinstance(value, dict):

@@ -15,6 +15,10 @@ import math
 from typing import Any
 
 
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key and what to change."""
+
+
 def bounded(
     default: float | int,
     *,
@@ -63,14 +67,18 @@ def range_problem(value: Any, metadata: dict[str, Any]) -> str | None:
 
 
 def check_fields(obj: Any, prefix: str) -> list[str]:
-    """'<key> ...' for every field of `obj` (and its nested dataclasses) outside its range or
-    choices."""
+    """'<key> ...' for every field of `obj` (and its nested dataclasses, also in lists:
+    `key[i]`) outside its range or choices."""
     problems = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         key = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(value):
             problems += check_fields(value, key)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    problems += check_fields(item, f"{key}[{i}]")
         elif "range" in f.metadata:
             problem = range_problem(value, f.metadata)
             if problem:

@@ -5,7 +5,7 @@ group belong on `accelerator()`: the current CUDA device on a GPU machine, the C
 Host-side bookkeeping (sample lists, metrics, object collectives) stays on the CPU and crosses
 to the accelerator only through `to_accelerator`.
 
-Tests can emulate an accelerator on CPU (`gspo_megatron.megatron.device_emulation`): then
+Tests can emulate an accelerator on CPU (tests/device_emulation.py): then
 `accelerator()` names a CUDA device that the emulation places on the CPU while telling its
 tensors apart from host tensors. Nothing else changes here.
 """

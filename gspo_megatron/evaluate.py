@@ -66,7 +66,7 @@ def evaluate_composed(raw: dict, out_dir: Path) -> dict[str, dict[str, float]]:
         from gspo_megatron.megatron import cpu_compat
 
         cpu_compat.apply()  # before megatron-core is imported
-        evaluation = Evaluation(cfg, model, layout)
+        evaluation = Evaluation(cfg, model, layout, out_dir)
     except ConfigError as err:
         sys.exit(f"{PROGRAM}: config error: {err}")
     except (DataError, VocabMismatchError, CheckpointError, ConversionError) as err:
@@ -85,7 +85,10 @@ class Evaluation:
     """The parts gspo-eval runs: tokenizer, benchmarks, a frozen engine holding the checkpoint,
     and the rollout engine over it. Bad input is refused before the model is built."""
 
-    def __init__(self, cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
+    def __init__(
+        self, cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, out_dir: Path
+    ) -> None:
+        from gspo_megatron.collector import RolloutCollector
         from gspo_megatron.components import build_rollout, init_weights, load_run_tokenizer
         from gspo_megatron.data.config import build_heldout_dataset
         from gspo_megatron.data.vocab import check_vocab
@@ -93,8 +96,7 @@ class Evaluation:
         from gspo_megatron.megatron import parallel
         from gspo_megatron.ranks import ProcessGroupRanks
         from gspo_megatron.rewards.registry import build_scorer
-        from gspo_megatron.rollout.driver import RolloutDriver
-        from gspo_megatron.rollout.episodes import EpisodeRunner
+        from gspo_megatron.rollout.backends import rollout_backend
         from gspo_megatron.run_files import note
 
         if cfg.rollout.mode != "sync":
@@ -119,33 +121,26 @@ class Evaluation:
         )
         if not self.benchmarks:
             raise ConfigError("nothing to evaluate: no benchmark has problems")
-        self.rollout = self.engine = self.episodes = None
+        # gspo-eval keeps the rollout backend's files (SGLang's memory record) in out_dir
+        rollout_backend(cfg.rollout.engine).check_run_dir(cfg, out_dir)
+        self.engine = self.collector = None
         parallel.initialize(layout, seed=cfg.seed)
-        from gspo_megatron.megatron.engine import TrainingEngine
+        from gspo_megatron.megatron.training_engine import TrainingEngine
 
         self.engine = TrainingEngine(model, layout, cfg.engine, trainable=False)
         init_weights(self.engine, cfg.model.init_from)
-        self.rollout, source = build_rollout(cfg, self.engine)
+        rollout, source = build_rollout(cfg, self.engine, out_dir)
         self.ranks = ProcessGroupRanks()
-        self.driver = RolloutDriver(self.rollout, self.ranks, source)
-        self.driver.update_weights(0)
-        if cfg.env.enabled:
-            self.episodes = EpisodeRunner(
-                cfg.env, self.tokenizer, self.ranks, cfg.engine.max_sequence_length
-            )
-
-    def generate(self, problems, n, params):
-        if self.episodes is not None:
-            return self.episodes.run(self.driver, problems, n, params)
-        return self.driver.generate([p.prompt_ids for p in problems], n, params)
+        self.collector = RolloutCollector.for_run(
+            cfg, rollout, weight_source=source, ranks=self.ranks, tokenizer=self.tokenizer
+        )
+        self.collector.update_weights(0)
 
     def run(self, out_dir: Path) -> dict[str, dict[str, float]]:
         from gspo_megatron.evaluation.benchmarks import run_benchmark, write_records
         from gspo_megatron.files import write_atomically
-        from gspo_megatron.rollout.engine import response_text
         from gspo_megatron.run_files import note
 
-        stop = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
         r = self.cfg.rollout
         results: dict[str, dict[str, float]] = {}
         for bench in self.benchmarks:
@@ -153,8 +148,7 @@ class Evaluation:
             chunk = max(1, r.prompts_per_step * r.group_size // bench.settings.samples)
             result = run_benchmark(
                 bench,
-                self.generate,
-                lambda sample: response_text(sample, self.tokenizer, stop),
+                self.collector,
                 self.ranks,
                 chunk_problems=chunk,
                 progress=self.cfg.logging.progress,
@@ -187,7 +181,7 @@ class Evaluation:
     def close(self) -> None:
         from gspo_megatron.megatron import parallel
 
-        for part in (self.scorer, *self.benchmarks, self.episodes, self.rollout, self.engine):
+        for part in (self.scorer, *self.benchmarks, self.collector, self.engine):
             if part is not None:
                 part.close()
         parallel.destroy()

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from gspo_megatron.rollout.backends import RolloutShare, memory_share
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
 
@@ -154,28 +155,6 @@ def _check_divisible(model: ModelConfig, layout: ParallelLayout) -> None:
 
 
 # -- settings ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RolloutShare:
-    """What the rollout engine costs the training GPUs (see ASSUMPTIONS).
-
-    mode: none (servers elsewhere, or no rollout) | embedded | sglang (colocated servers).
-    """
-
-    mode: str = "none"
-    max_batch_tokens: int = 0  # embedded: KV-cache slots of one generation batch
-    mem_fraction: float = 0.0  # sglang: mem_fraction_static of the colocated servers
-    offload: bool = True  # sglang: offload_after_generate
-    idle_gib: float = 2.0  # sglang: what an offloaded server keeps while training
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("none", "embedded", "sglang"):
-            raise PlanError(
-                f"rollout share mode must be none, embedded or sglang, got {self.mode!r}"
-            )
-        if self.mode == "sglang" and not 0 < self.mem_fraction < 1:
-            raise PlanError("colocated SGLang needs mem_fraction_static in (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -341,8 +320,9 @@ class MemoryPlan:
         return self.worst.peak <= self.settings.gpu_memory_gib
 
     @property
-    def max_sglang_fraction(self) -> float:
-        """Largest colocated SGLang mem_fraction_static the worst stage leaves room for."""
+    def max_server_fraction(self) -> float:
+        """Largest share of each GPU colocated rollout servers may hold (SGLang's
+        mem_fraction_static) that the worst stage leaves room for."""
         room = min(
             self.settings.gpu_memory_gib - (r.static - r.offloaded) - r.overhead
             for r in self.stages
@@ -412,10 +392,10 @@ class MemoryPlan:
             tips.append(
                 "trainer.offload_during_rollout=all (the training state leaves while generating)"
             )
-        if s.rollout.mode == "sglang":
+        if s.rollout.server_fraction:
             tips.append(
-                f"a colocated SGLang mem_fraction_static <= {self.max_sglang_fraction:.2f} "
-                "(with offload_after_generate), or servers on their own nodes "
+                f"colocated rollout servers holding at most {self.max_server_fraction:.2f} of "
+                f"each GPU ({s.rollout.fraction_key}), or servers on their own nodes "
                 "(slurm/train_disaggregated.sbatch)"
             )
         tips.append("more GPUs")
@@ -510,7 +490,7 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
                 grads
                 + reference
                 + (critic - critic_optimizer)
-                + (0.0 if settings.rollout.mode == "embedded" else weights)
+                + (0.0 if settings.rollout.keeps_policy_weights else weights)
             )
         stages.append(
             RankMemory(
@@ -557,17 +537,19 @@ def _rollout_share(
 ) -> tuple[float, float]:
     """(while generating, while training) GiB of the colocated rollout engine."""
     r = settings.rollout
-    if r.mode == "embedded":
+    generating = training = 0.0
+    if r.kv_cache_tokens:
         b = DTYPE_BYTES[model.params_dtype]
         layers = model.num_hidden_layers // layout.pp
         kv_heads = math.ceil(model.num_key_value_heads / layout.tp)
-        cache = r.max_batch_tokens * layers * 2 * kv_heads * model.head_dim * b
-        prefill = layer_activation_bytes(model, layout, r.max_batch_tokens * layout.cp)
-        return (cache + prefill) / GIB, 0.0
-    if r.mode == "sglang":
-        held = r.mem_fraction * settings.gpu_memory_gib
-        return held, (r.idle_gib if r.offload else held)
-    return 0.0, 0.0
+        cache = r.kv_cache_tokens * layers * 2 * kv_heads * model.head_dim * b
+        prefill = layer_activation_bytes(model, layout, r.kv_cache_tokens * layout.cp)
+        generating += (cache + prefill) / GIB
+    if r.server_fraction:
+        held = r.server_fraction * settings.gpu_memory_gib
+        generating += held
+        training += held if r.server_idle_gib is None else r.server_idle_gib
+    return generating, training
 
 
 def _count(n: int) -> str:
@@ -596,6 +578,10 @@ def settings_from_config(
     per_rank = max(1, responses // alg.num_minibatches // layout.dp)
     step_tokens = per_rank * engine.max_sequence_length
     tokens = min(engine.max_tokens_per_microbatch, step_tokens)
+    try:
+        share = memory_share(rollout)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
     microbatches = max(1, math.ceil(step_tokens / engine.max_tokens_per_microbatch))
     return PlanSettings(
         micro_batch_tokens=tokens,
@@ -603,7 +589,7 @@ def settings_from_config(
         distributed_optimizer=run_cfg.optimizer.distributed_optimizer,
         recompute=engine.recompute_activations if recompute is None else recompute,
         gpu_memory_gib=gpu_memory_gib,
-        rollout=rollout_share_from_config(rollout),
+        rollout=share,
         moe_imbalance=moe_imbalance,
         overhead_gib=overhead_gib,
         reference_model=alg.kl_coef > 0 or alg.kl_reward_coef > 0,
@@ -637,26 +623,4 @@ def fit_warning(
     return (
         f"the memory plan (tools/plan_memory.py) says this run does not fit in "
         f"{gpu_memory_gib:.1f} GiB per GPU; change: {memory.advice()}"
-    )
-
-
-# SGLang's own default when mem_fraction_static is not set (it takes most of the GPU).
-SGLANG_DEFAULT_MEM_FRACTION = 0.88
-
-
-def rollout_share_from_config(rollout: Any) -> RolloutShare:
-    """Colocated or not, from rollout.engine and rollout.sglang."""
-    if rollout.engine == "embedded":
-        return RolloutShare(mode="embedded", max_batch_tokens=rollout.max_batch_tokens)
-    sglang = rollout.sglang or {}
-    launch = sglang.get("launch") or []
-    if not launch:  # attached to servers: on their own GPUs (disaggregated)
-        return RolloutShare(mode="none")
-    fractions = [
-        (entry or {}).get("mem_fraction_static") or SGLANG_DEFAULT_MEM_FRACTION for entry in launch
-    ]
-    return RolloutShare(
-        mode="sglang",
-        mem_fraction=max(fractions),
-        offload=bool(sglang.get("offload_after_generate", False)),
     )

@@ -9,6 +9,8 @@
     checkpoints/step_NNNNNN/   engine checkpoints (gspo_megatron.megatron.checkpointing)
     checkpoints/superseded/    checkpoints moved aside: damaged ones, or newer than a resume point
     train.rankR.log            each rank's log (Hydra's job logging)
+    sglang_memory.json         GPU memory the run's SGLang servers hold released (rank 0 writes
+                               it; gspo_megatron/rollout/sglang/memory.py)
 
 Every file has one writer: rank 0 of the job (`files.launcher_rank`, known before the process
 group exists) for all but the per-rank logs and the checkpoints' per-rank data; whole files are

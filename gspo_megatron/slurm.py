@@ -242,35 +242,30 @@ def preflight(
     nodes: int,
     gpus_per_node: int,
     gpu_memory_gib: float | None,
-    check_paths: bool = True,
+    check_inputs: bool = True,
     memory_check: bool = True,
 ) -> Preflight:
     """Compose + validate the config for nodes x gpus_per_node ranks; plan memory; check paths."""
-    from gspo_megatron.config import ConfigError, compose, missing_paths, resolve
+    from gspo_megatron.config import ConfigError, compose, missing_inputs, resolve
     from gspo_megatron.memory_plan import PlanError, plan, settings_from_config
+    from gspo_megatron.rollout.backends import rollout_backend
 
     world = nodes * gpus_per_node
     lines = [f"allocation: {nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks"]
     try:
         raw = compose(list(overrides))
-        run_cfg, model, layout = resolve(raw, world, check_paths=False)
+        run_cfg, model, layout = resolve(raw, world, check_inputs=False)
     except (ConfigError, ValueError) as err:
         return Preflight([*lines, f"error: config: {err}"], ok=False)
     except Exception as err:  # noqa: BLE001 - Hydra's composition errors (unknown group, syntax)
         return Preflight([*lines, f"error: config: {type(err).__name__}: {err}"], ok=False)
     lines.append(f"layout: {layout.describe()}")
-    if run_cfg.rollout.engine == "sglang":
-        from gspo_megatron.components import sglang_config
-
-        try:
-            sglang_config(run_cfg)
-        except ConfigError as err:
-            return Preflight([*lines, f"error: config: {err}"], ok=False)
-        lines.append(f"rollout: SGLang servers {run_cfg.rollout.sglang.get('urls') or 'launched'}")
+    if line := rollout_backend(run_cfg.rollout.engine).describe(run_cfg):
+        lines.append(line)
     ok = True
-    missing = missing_paths(run_cfg)
+    missing = missing_inputs(run_cfg)
     for path in missing:
-        if check_paths:
+        if check_inputs:
             lines.append(f"error: {path}")
             ok = False
         else:
@@ -505,7 +500,7 @@ def _main_preflight(args: argparse.Namespace, env: Mapping[str, str]) -> int:
         nodes=nodes,
         gpus_per_node=gpus,
         gpu_memory_gib=memory,
-        check_paths=not args.dry_run,
+        check_inputs=not args.dry_run,
         memory_check=not (args.no_memory_check or env.get("GSPO_NO_MEMORY_CHECK") == "1"),
     )
     for line in result.text().splitlines():

@@ -16,6 +16,9 @@
 set -euo pipefail
 python="${PYTHON:-python}"
 pip="$python -m pip"
+# The code reward's sandbox (reward=code) loads libseccomp, a system package, not a wheel.
+$python -c 'import ctypes; ctypes.CDLL("libseccomp.so.2")' 2>/dev/null \
+  || echo "install.sh: note: libseccomp2 is missing; reward=code needs it (apt-get install libseccomp2)" >&2
 
 if [ "${1:-}" = "--wheelhouse" ]; then
   dir="${2:?install.sh: --wheelhouse needs a directory (made by tools/make_wheelhouse.sh)}"

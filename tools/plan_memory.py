@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     world = args.nodes * args.gpus_per_node
     try:
         # A plan reads no input file: they need not exist on the machine that plans.
-        run_cfg, model, layout = resolve(compose(args.overrides), world, check_paths=False)
+        run_cfg, model, layout = resolve(compose(args.overrides), world, check_inputs=False)
         settings = settings_from_config(
             run_cfg,
             model,
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"micro-batch: {settings.micro_batch_tokens} tokens, {settings.microbatches} per "
-        f"optimizer step and DP rank; rollout share: {settings.rollout.mode}"
+        f"optimizer step and DP rank; rollout share: {settings.rollout.describe()}"
     )
     print(memory.table())
     if not memory.fits:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {option:<9} frees {worst.offloaded:6.1f} GiB, generation peak "
             f"{worst.generation_peak:6.1f} GiB; colocated SGLang mem_fraction_static <= "
-            f"{other.max_sglang_fraction:.2f}{current}"
+            f"{other.max_server_fraction:.2f}{current}"
         )
     if args.assumptions:
         print(ASSUMPTIONS)

@@ -30,7 +30,7 @@ class ScriptedTurns:
         self.stop_id = stop_id
 
     def generate(self, contexts, n, params):
-        from gspo_megatron.rollout.engine import RolloutSample
+        from gspo_megatron.rollout.base import RolloutSample
 
         out = []
         for context in contexts:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.checkpointing import save_engine
     from gspo_megatron.ranks import SingleRank
-    from gspo_megatron.rollout.engine import SamplingParams
+    from gspo_megatron.rollout.base import SamplingParams
     from gspo_megatron.rollout.episodes import EpisodeRunner
     from gspo_megatron.spec.loss import LossSettings
     from gspo_megatron.spec.sample import TrainSample

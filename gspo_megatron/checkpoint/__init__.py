@@ -1,7 +1,7 @@
 """Hugging Face <-> megatron-core checkpoints for Qwen3-MoE and dense Qwen3.
 
 - `mapping`: the one name/layout mapping (megatron sharded keys <-> HF names), shared with the
-  rollout side's weight export (`gspo_megatron.rollout.weight_export`);
+  rollout side's weight export (`gspo_megatron.megatron.weight_export`);
 - `convert`: `convert_hf_to_megatron`, `convert_megatron_to_hf` (streamed, staged output);
 - `loading`: HF directory or megatron checkpoint -> model chunks of any layout;
 - `torch_dist`, `hf_io`: the two file formats, read and written tensor by tensor;

@@ -69,7 +69,7 @@ def build_scoring_engine(
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.checkpoint.loading import load_weights, read_model_config
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
     from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
     params_dtype = dtype_name(parse_dtype(dtype))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from gspo_megatron.config_fields import bounded, choice, raise_on_problems
 from gspo_megatron.data.dataset import PromptDataset, load_prompt_dataset
 from gspo_megatron.data.synthetic import synthetic_prompt_dataset
-from gspo_megatron.rewards.synthetic import SYNTHETIC_TASKS
+from gspo_megatron.rewards.synthetic import SYNTHETIC_TASKS, SyntheticTask, make_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -96,17 +96,26 @@ def build_heldout_dataset(
     return load_files(cfg, cfg.eval_files, tokenizer) if cfg.eval_files else None
 
 
-def _synthetic(cfg: DataConfig) -> dict[str, Any]:
+def _task_kwargs(cfg: DataConfig) -> dict[str, Any]:
     kwargs: Any = cfg.task_kwargs
     if not isinstance(kwargs, dict):  # an OmegaConf DictConfig
         from omegaconf import OmegaConf
 
         kwargs = OmegaConf.to_container(kwargs, resolve=True)
+    return kwargs
+
+
+def synthetic_task(cfg: DataConfig) -> SyntheticTask:
+    """The synthetic task `data.task` with `data.task_kwargs`."""
+    return make_task(cfg.task, **_task_kwargs(cfg))
+
+
+def _synthetic(cfg: DataConfig) -> dict[str, Any]:
     return dict(
         seed=cfg.seed,
         heldout_fraction=cfg.heldout_fraction,
         max_prompt_length=cfg.max_prompt_length,
-        **kwargs,
+        **_task_kwargs(cfg),
     )
 
 

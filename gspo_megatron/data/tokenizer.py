@@ -17,6 +17,10 @@ of JSON tool calls, the Qwen3 tool tags <tool_call> </tool_call> <tool_response>
 </tool_response> and a few merges of the built-in tools' compact JSON calls as single tokens;
 its chat template wraps `tool` messages in <tool_response> tags, for the multi-turn
 environments (gspo_megatron/envs).
+
+"char_expr" (16 tokens: model.vocab_size 16) has only the digits, "+" and "=": the synthetic
+code task's (expr, `+experiment=code_cpu`), where a random policy's responses must often be
+valid Python expressions for the code reward to give it a signal.
 """
 
 from __future__ import annotations
@@ -45,9 +49,12 @@ TOOL_WORDS = (
     "query",
 )
 TOOL_CHARS = DEFAULT_CHARS + '{}"*()_'
+# The synthetic code task's (expr): 4 specials + 12 characters = 16 tokens, model.vocab_size 16.
+EXPR_CHARS = string.digits + "+="
 CHAR_TOKENIZER_NAME = "char"
 TOOL_CHAR_TOKENIZER_NAME = "char_tools"
-CHAR_TOKENIZER_NAMES = (CHAR_TOKENIZER_NAME, TOOL_CHAR_TOKENIZER_NAME)
+EXPR_CHAR_TOKENIZER_NAME = "char_expr"
+CHAR_TOKENIZER_NAMES = (CHAR_TOKENIZER_NAME, TOOL_CHAR_TOKENIZER_NAME, EXPR_CHAR_TOKENIZER_NAME)
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
@@ -106,12 +113,14 @@ def build_tool_char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
-    """ "char" / "char_tools" build the character tokenizers; anything else goes to
-    AutoTokenizer."""
+    """ "char" / "char_tools" / "char_expr" build the character tokenizers; anything else goes
+    to AutoTokenizer."""
     if name_or_path == CHAR_TOKENIZER_NAME:
         return build_char_tokenizer()
     if name_or_path == TOOL_CHAR_TOKENIZER_NAME:
         return build_tool_char_tokenizer()
+    if name_or_path == EXPR_CHAR_TOKENIZER_NAME:
+        return build_char_tokenizer(EXPR_CHARS)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name_or_path)

@@ -1,6 +1,7 @@
 """Benchmarks from the `eval` config, and running one: n responses per problem, scored by the
 reward registry, reported as avg@n, pass@k, maj@k (evaluation/metrics.py) with one record per
-problem. The training loop (`Trainer.evaluate`) and `gspo-eval` both run them through here.
+problem. The training loop (`Trainer.evaluate`) and `gspo-eval` both run them through here,
+generating through their `RolloutCollector` (collector.py).
 
 Generation is collective (every rank calls `run_benchmark`, as it calls the rollout driver);
 rewards are scored on rank 0 and broadcast, so every rank returns the same result.
@@ -14,21 +15,36 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gspo_megatron.config import ConfigError, RunConfig, benchmark_reading, benchmark_reward
+from gspo_megatron.config_fields import ConfigError
 from gspo_megatron.data.dataset import DataError, Prompt, PromptDataset
-from gspo_megatron.evaluation.config import BenchmarkConfig
+from gspo_megatron.evaluation.config import BenchmarkConfig, benchmark_reading, benchmark_reward
 from gspo_megatron.evaluation.metrics import benchmark_metrics
 from gspo_megatron.files import write_atomically
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rewards.registry import build_scorer
 from gspo_megatron.rewards.scorer import RewardScorer
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams
+from gspo_megatron.rollout.base import RolloutSample, SamplingParams
 
-# (problems, n, params) -> n responses per problem, on every rank.
-Generate = Callable[[list[Prompt], int, SamplingParams], list[list[RolloutSample]]]
+if TYPE_CHECKING:
+    from gspo_megatron.config import RunConfig
+
 SOLVED = 1.0  # a response solves its problem when it scores at least this
+
+
+class Rollouts(Protocol):
+    """What a benchmark generates through (collector.RolloutCollector)."""
+
+    def groups(
+        self, prompts: Sequence[Prompt], n: int, params: SamplingParams, *, now: bool = False
+    ) -> list[list[RolloutSample]]:
+        """`n` responses per problem, on every rank (`now`: with the current weights)."""
+        ...
+
+    def response_text(self, sample: RolloutSample) -> str:
+        """What the reward reads of a response."""
+        ...
 
 
 @dataclass
@@ -92,7 +108,7 @@ def build_benchmarks(
         else:
             dataset = _load(cfg, bench, key, tokenizer)
             loading = dataset.stats.as_dict()
-            reward = benchmark_reward(cfg, bench, key)
+            reward = benchmark_reward(cfg.reward, bench, key)
             own = scorer if reward is cfg.reward else build_scorer(reward)
         problems = list(dataset.prompts[: bench.problems])
         check_prompt_ids(PromptDataset(problems, source=dataset.source), vocab_size)
@@ -131,22 +147,22 @@ def _load(cfg: RunConfig, bench: BenchmarkConfig, key: str, tokenizer) -> Prompt
     from gspo_megatron.data.config import load_files
 
     try:
-        return load_files(benchmark_reading(cfg, bench, key), bench.files, tokenizer)
+        return load_files(benchmark_reading(cfg.data, bench, key), bench.files, tokenizer)
     except DataError as err:
         raise DataError(f"{key}: {err}") from err
 
 
 def run_benchmark(
     bench: Benchmark,
-    generate: Generate,
-    response_text: Callable[[RolloutSample], str],
+    rollouts: Rollouts,
     ranks: Ranks,
     *,
     chunk_problems: int | None = None,
     progress: bool = False,
 ) -> BenchmarkResult:
-    """Generate `samples` responses per problem (`chunk_problems` problems per generate call,
-    None = all at once), score them on rank 0, and return the metrics and the records."""
+    """Generate `samples` responses per problem with the current weights (`chunk_problems`
+    problems per generate call, None = all at once), score them on rank 0, and return the
+    metrics and the records."""
     n = bench.settings.samples
     size = chunk_problems or len(bench.problems)
     bar = None
@@ -159,8 +175,8 @@ def run_benchmark(
     try:
         for start in range(0, len(bench.problems), size):
             problems = bench.problems[start : start + size]
-            groups = generate(problems, n, bench.params)
-            texts = [[response_text(s) for s in group] for group in groups]
+            groups = rollouts.groups(problems, n, bench.params, now=True)
+            texts = [[rollouts.response_text(s) for s in group] for group in groups]
             scored = None
             if ranks.rank == 0:
                 scored = _score(bench, problems, groups, texts)

@@ -8,8 +8,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from gspo_megatron.config_fields import bounded, raise_on_problems
-from gspo_megatron.data.config import READING_KEYS
+from gspo_megatron.config_fields import ConfigError, bounded, check_fields, raise_on_problems
+from gspo_megatron.data.config import READING_KEYS, DataConfig
+from gspo_megatron.rewards.registry import RewardConfig
 
 # The reward section's keys a benchmark may change; a learned reward model never scores one.
 REWARD_KEYS = ("name", "kwargs", "timeout_s", "max_concurrency", "executor")
@@ -120,3 +121,38 @@ class EvalConfig:
             bench.validate(key)
             if not bench.files:
                 raise ValueError(f"{key}.files: a named benchmark needs its JSONL/Parquet files")
+
+
+def benchmark_reward(run_reward: RewardConfig, bench: BenchmarkConfig, key: str) -> RewardConfig:
+    """The reward section a benchmark scores with: the run's, with the benchmark's `reward`
+    keys over it and no learned reward model."""
+    if not bench.reward:
+        return run_reward
+    values = {k: getattr(run_reward, k) for k in REWARD_KEYS} | bench.reward
+    if "name" in bench.reward and "kwargs" not in bench.reward:
+        values["kwargs"] = {}  # another reward does not take the run's reward's arguments
+    reward = RewardConfig(**values)
+    try:
+        reward.validate()
+    except ValueError as err:
+        raise ConfigError(str(err).replace("reward.", f"{key}.reward.")) from err
+    return reward
+
+
+def benchmark_reading(data: DataConfig, bench: BenchmarkConfig, key: str) -> DataConfig:
+    """How a benchmark's files are read: the data section with the benchmark's `data` keys over
+    it. A benchmark's rows must all be scored, so a bad row stops loading unless its own
+    data.on_error says skip; and it needs labels."""
+    values = {"on_error": "raise"} | bench.data
+    try:
+        reading = dataclasses.replace(data, **values)
+    except TypeError as err:
+        raise ConfigError(f"{key}.data: {err}") from err
+    problems = check_fields(reading, f"{key}.data")
+    if problems:
+        raise ConfigError(problems[0])
+    if reading.label_key is None:
+        raise ConfigError(
+            f"{key}.data.label_key is null: a benchmark's problems need labels to be scored"
+        )
+    return reading

@@ -1,4 +1,8 @@
-"""Everything that touches megatron-core lives in this package.
+"""Megatron-core plumbing: process groups, the model, the training engine, checkpoints of model
+chunks, weight export. megatron-core is imported here and, besides, only by the embedded rollout
+engine, which generates with this package's model in place (rollout/embedded/in_process.py,
+decoders.py), and by checkpoint/loading.py until the checkpoint package's move; the
+import-linter contract in pyproject.toml says so and tests/test_layers.py checks it.
 
 The CPU/gloo compatibility shims (`cpu_compat.apply()`) must be installed before the first
 `import megatron.core`; the code that starts megatron calls it (gspo-train, gspo-logprobs, the

@@ -59,7 +59,7 @@ def apply(*, emulate_device: bool = False) -> bool:
     config-only modules of this package does not load megatron.
 
     emulate_device: the form the test-only device emulation needs
-    (`gspo_megatron.megatron.device_emulation.enable()` passes it): megatron's CUDA tensors
+    (tests/device_emulation.py: `enable()` passes it): megatron's CUDA tensors
     become emulated device tensors instead of host tensors. A process may switch to it after a
     plain `apply()` as long as megatron.core is not imported yet.
     """

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gspo_megatron.checkpoint.loading import check_head, load_weights, read_model_config
 from gspo_megatron.megatron.batch import padded_length
-from gspo_megatron.megatron.engine import TrainingEngine
+from gspo_megatron.megatron.training_engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.sample import TrainSample
 from gspo_megatron.spec.training import EngineSettings

@@ -35,6 +35,12 @@ def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[.
     return deco
 
 
+def _code(**kwargs: Any) -> RewardFn:
+    from gspo_megatron.rewards.code import CodeReward  # the sandbox only when used
+
+    return CodeReward(**kwargs)
+
+
 def _remote(**kwargs: Any) -> RewardFn:
     from gspo_megatron.rewards.remote import RemoteReward  # aiohttp only when used
 
@@ -46,6 +52,7 @@ register_reward("exact_match")(ExactMatchReward)
 register_reward("format")(FormatReward)
 register_reward("synthetic")(SyntheticReward)
 register_reward("remote")(_remote)
+register_reward("code")(_code)
 
 
 def build_reward(name: str, **kwargs: Any) -> RewardFn:
@@ -75,7 +82,8 @@ def build_reward(name: str, **kwargs: Any) -> RewardFn:
 class RewardConfig:
     """The `reward` config group.
 
-    name: registered reward (math, exact_match, format, synthetic, remote) or "module:function".
+    name: registered reward (math, exact_match, format, synthetic, remote, code) or
+    "module:function".
     kwargs: arguments of that reward (e.g. answer_format for math, url for remote).
     timeout_s: limit for one reward call; a call past it gives 0 and counts as a timeout.
     max_concurrency: calls in flight at once (= worker processes for the process executor).

@@ -70,13 +70,15 @@ class RewardBatch:
 
     `status[i]` is "ok", "error" (raised, bad return value, worker died) or "timeout"; every
     non-ok item has reward 0. `errors` keeps the messages of the first few failures, each
-    prefixed with the item index.
+    prefixed with the item index. `details`: counts the reward reports about this batch (a
+    reward with a `pop_metrics()` method, e.g. the code reward's outcome reasons).
     """
 
     rewards: list[float]
     status: list[Status]
     errors: list[str] = field(default_factory=list)
     elapsed_s: float = 0.0
+    details: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_failures(self) -> int:
@@ -101,7 +103,7 @@ class RewardBatch:
             f"{prefix}failures": float(self.num_failures),
             f"{prefix}timeouts": float(self.num_timeouts),
             f"{prefix}time_s": self.elapsed_s,
-        }
+        } | {f"{prefix}{name}": value for name, value in self.details.items()}
 
 
 def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
@@ -374,6 +376,9 @@ class RewardScorer:
             ],
             elapsed_s=elapsed_s,
         )
+        pop_metrics = getattr(self.fn, "pop_metrics", None)
+        if pop_metrics is not None:
+            batch.details = pop_metrics()
         if batch.errors:
             logger.warning(
                 "reward %s: %d of %d calls gave reward 0 (%d failed, %d timed out); first: %s",

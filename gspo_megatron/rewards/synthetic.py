@@ -9,15 +9,21 @@ tokenizer (`gspo_megatron.data.tokenizer`):
     add      "35+807="     -> "842"     ("248" with reverse_answer=True: least significant first)
     lookup   "code:kqz="   -> "4096"    (the code of a key, found with the retrieval environment's
                                          search tool: gspo_megatron/envs/retrieval.py)
+    expr     "842="        -> a Python expression whose value prints as 842 ("842", "800+42",
+                                         ...), run in the sandbox by the code reward (reward=code;
+                                         "35+807=" with terms=2; tokenizer char_expr)
 
 `min_digits` / `max_digits` set the difficulty (digits of the string; of each operand for add).
 The reward gives partial credit per position:
 
     partial_credit(r, t) = #{i : r[i] == t[i]} / max(len(r), len(t))
 
-after stripping surrounding whitespace from the response. It lies in [0, 1] and equals 1 only
-for an exact solve, so accuracy (reward >= 1) counts exact solves. A response that is too long
-or too short loses credit for every missing or extra position.
+over the response as generated: every token before the end token, whitespace included (a space
+is a token the policy chose). It lies in [0, 1] and equals 1 only for an exact solve, so accuracy
+(reward >= 1) counts exact solves. A response that is too long or too short loses credit for
+every missing or extra position. A response that never stops runs to `rollout.max_new_tokens`
+tokens, which the configuration keeps longer than any target (`room_for_the_end_token`): full
+credit therefore needs the answer followed by the end token, and the policy learns to stop.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ DIGITS = "0123456789"
 
 def partial_credit(response: str, target: str) -> float:
     """Fraction of positions where response and target agree, over the longer length."""
-    response = response.strip()
     longest = max(len(response), len(target))
     if longest == 0:
         return 1.0
@@ -41,7 +46,7 @@ def partial_credit(response: str, target: str) -> float:
 
 
 def exact_solve(response: str, target: str) -> bool:
-    return response.strip() == target
+    return response == target
 
 
 def _digit_string(rng: random.Random, min_digits: int, max_digits: int) -> str:
@@ -162,13 +167,63 @@ class LookupTask(SyntheticTask):
         return 4
 
 
+@dataclass(frozen=True)
+class ExprTask(SyntheticTask):
+    """Write a Python expression whose printed value is the target: the prompt shows `terms`
+    numbers of min_digits..max_digits digits joined by "+" (no leading zeros: Python refuses
+    them in integer literals), and the output must be their sum. Copying the prompt's
+    expression solves it, whatever the sum: the interpreter does the arithmetic.
+
+    The label is a code problem for the code reward (reward=code, scoring=partial: per-position
+    credit of the printed output): one test with no input, the answer an expression, and no
+    program longer than the prompt's longest expression. A response that never stops is
+    `rollout.max_new_tokens` long, which the configuration keeps longer than that, so full
+    credit needs the expression followed by the end token, as in the other tasks.
+    """
+
+    name: ClassVar[str] = "expr"
+    min_digits: int = 2
+    max_digits: int = 3
+    prefix: str = ""
+    terms: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.terms <= 4:
+            raise ValueError(f"synthetic task expr: terms must be 1..4, got {self.terms}")
+
+    def _number(self, rng: random.Random) -> int:
+        n = rng.randint(self.min_digits, self.max_digits)
+        return rng.randint(0 if n == 1 else 10 ** (n - 1), 10**n - 1)
+
+    def sample(self, rng: random.Random) -> tuple[str, dict[str, Any]]:  # type: ignore[override]
+        numbers = [self._number(rng) for _ in range(self.terms)]
+        expression = "+".join(map(str, numbers))
+        label = {
+            "tests": [{"input": "", "output": f"{sum(numbers)}\n"}],
+            "mode": "expression",
+            "max_program_chars": self.max_target_chars(),
+        }
+        return f"{self.prefix}{expression}=", label
+
+    def max_prompt_chars(self) -> int:
+        return len(self.prefix) + self.max_target_chars() + 1
+
+    def max_target_chars(self) -> int:
+        """The longest answer: the longest expression a prompt shows."""
+        return self.terms * (self.max_digits + 1) - 1
+
+
 SYNTHETIC_TASKS: dict[str, type[SyntheticTask]] = {
-    t.name: t for t in (CopyTask, ReverseTask, SortTask, AddTask, LookupTask)
+    t.name: t for t in (CopyTask, ReverseTask, SortTask, AddTask, LookupTask, ExprTask)
 }
+# Tasks whose labels are code problems, scored by reward=code (or a reward of the user's).
+CODE_TASKS = frozenset({"expr"})
 
 
 def make_task(name: str, **kwargs: Any) -> SyntheticTask:
-    """A task by name: copy, reverse, sort, add, lookup (kwargs: min_digits, max_digits, ...)."""
+    """A task by name: copy, reverse, sort, add, lookup, expr (kwargs: min_digits, max_digits,
+    ...)."""
     if name not in SYNTHETIC_TASKS:
         raise ValueError(
             f"unknown synthetic task {name!r}; choose one of {sorted(SYNTHETIC_TASKS)}"

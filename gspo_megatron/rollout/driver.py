@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from gspo_megatron.ranks import Ranks
-from gspo_megatron.rollout.engine import (
-    RolloutEngine,
+from gspo_megatron.rollout.base import (
+    InProcessRolloutEngine,
     RolloutSample,
     RolloutUnavailableError,
     SamplingParams,
+    ServerRolloutEngine,
     WeightsNotLoadedError,
     WeightSource,
 )
@@ -44,7 +45,14 @@ class Submitted:
 
 
 class RolloutDriver:
-    def __init__(self, engine: RolloutEngine, ranks: Ranks, source: WeightSource | None) -> None:
+    """A rollout engine of either kind (rollout/base.py), called on every rank."""
+
+    def __init__(
+        self,
+        engine: InProcessRolloutEngine | ServerRolloutEngine,
+        ranks: Ranks,
+        source: WeightSource | None,
+    ) -> None:
         self.engine = engine
         self.ranks = ranks
         self.source = source
@@ -52,18 +60,31 @@ class RolloutDriver:
         self._collective = engine.generates_on_every_rank
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, **options
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        min_version: int | None = None,
+        urgent: bool = False,
     ) -> list[list[RolloutSample]]:
-        """`n` samples per prompt on every rank; `options` go to a server engine's
-        `start_generate`."""
+        """`n` samples per prompt on every rank; `min_version` and `urgent` are a server
+        engine's (`ServerRolloutEngine.start_generate`: an in-process engine generates with
+        the current weights, at once)."""
         if self._collective:
             return self.engine.generate(prompts, n, params)
-        return self.collect(self.submit(prompts, n, params, **options))
+        return self.collect(self.submit(prompts, n, params, min_version=min_version, urgent=urgent))
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams, **options
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        min_version: int | None = None,
+        urgent: bool = False,
     ) -> Submitted:
-        """Start a generate call of a server engine on rank 0 (every rank calls this);
+        """Start a generate job of a server engine on rank 0 (every rank calls this);
         `collect` waits for it."""
         # Stale servers that answer get the weights first, so they take part from the start.
         due = self.ranks.broadcast(
@@ -73,7 +94,9 @@ class RolloutDriver:
         job = None
         if self.ranks.rank == 0 and error is None:
             try:
-                job = self.engine.start_generate(prompts, n, params, **options)
+                job = self.engine.start_generate(
+                    prompts, n, params, min_version=min_version, urgent=urgent
+                )
             except Exception as e:  # noqa: BLE001 - shared with the other ranks by collect
                 error = e
         return Submitted(job, error)

@@ -42,7 +42,7 @@ from gspo_megatron.envs.base import (
 from gspo_megatron.envs.calls import CallOutcome, EnvCalls
 from gspo_megatron.envs.chat import ChatFormat
 from gspo_megatron.envs.registry import environment_class
-from gspo_megatron.rollout.engine import EpisodeRecord, RolloutSample, SamplingParams
+from gspo_megatron.rollout.base import EpisodeRecord, RolloutSample, SamplingParams
 
 logger = logging.getLogger(__name__)
 

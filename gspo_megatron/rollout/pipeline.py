@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
 from gspo_megatron.ranks import Ranks
+from gspo_megatron.rollout.base import RolloutSample, SamplingParams
 from gspo_megatron.rollout.driver import RolloutDriver, Submitted
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams
 
 
 @dataclass

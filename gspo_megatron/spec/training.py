@@ -1,5 +1,5 @@
 """How the training engine runs: the `optimizer` and `engine` config sections, used by
-`gspo_megatron.megatron.engine.TrainingEngine` as they are."""
+`gspo_megatron.megatron.training_engine.TrainingEngine` as they are."""
 
 from __future__ import annotations
 

@@ -29,9 +29,9 @@ cpu_compat.apply()  # before megatron-core is imported
 from layout_text import parse_layout
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import TrainingEngine
-from gspo_megatron.rollout.engine import WeightSource
-from gspo_megatron.rollout.weight_export import MegatronWeightSource
+from gspo_megatron.megatron.training_engine import TrainingEngine
+from gspo_megatron.megatron.weight_export import MegatronWeightSource
+from gspo_megatron.rollout.base import WeightSource
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.sample import TrainSample

@@ -21,7 +21,7 @@ cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.checkpoint.safe_load import load_weights_only, verify_checkpoint_safe
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import TrainingEngine
+from gspo_megatron.megatron.training_engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset

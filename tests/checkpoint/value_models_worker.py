@@ -36,9 +36,9 @@ from gspo_megatron.checkpoint.convert import convert_megatron_to_hf
 from gspo_megatron.checkpoint.hf_io import HFCheckpoint
 from gspo_megatron.checkpoint.loading import load_weights, read_model_config
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.megatron.model import build_model_chunks
 from gspo_megatron.megatron.reward_model import RewardModel
+from gspo_megatron.megatron.training_engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.training import EngineSettings
 

@@ -17,6 +17,8 @@ from gspo_megatron.data import (
 )
 from gspo_megatron.data.synthetic import main
 from gspo_megatron.rewards import SYNTHETIC_TASKS, SyntheticReward, make_task
+from gspo_megatron.rewards.code import parse_problem
+from gspo_megatron.rewards.synthetic import CODE_TASKS
 
 
 @pytest.mark.parametrize("name", sorted(SYNTHETIC_TASKS))
@@ -30,6 +32,12 @@ def test_deterministic_and_disjoint(name):
     assert train_prompts.isdisjoint(r["prompt"] for r in held)
     task = make_task(name)
     assert all(in_heldout(task, r["prompt"], 0.1) for r in held)
+    if name in CODE_TASKS:  # a code problem: its expected output is the prompt's sum
+        for r in a + held:
+            problem = parse_problem(r["label"])
+            numbers = map(int, r["prompt"].rstrip("=").split("+"))
+            assert (problem.mode, problem.tests[0].output) == ("expression", f"{sum(numbers)}\n")
+        return
     reward = SyntheticReward()
     assert all(reward(r["prompt"], r["label"], r["label"]) == 1.0 for r in a + held)
 

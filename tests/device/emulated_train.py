@@ -1,5 +1,5 @@
 """`emulated_train.py gspo-train ARGS` (or gspo-eval ARGS): that command under the
-emulated accelerator (gspo_megatron/megatron/device_emulation.py): a host tensor given to the
+emulated accelerator (tests/device_emulation.py): a host tensor given to the
 model or to a would-be-NCCL collective fails the run, naming the op and call site. Runs under
 torchrun too.
 
@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from gspo_megatron.megatron import device_emulation
+import device_emulation
 
 device_emulation.enable()
 

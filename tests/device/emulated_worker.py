@@ -18,7 +18,7 @@ import json
 import random
 import sys
 
-from gspo_megatron.megatron import device_emulation
+import device_emulation
 
 device_emulation.enable(record="--record" in sys.argv)
 
@@ -28,11 +28,11 @@ from layout_text import parse_layout  # noqa: E402
 
 from gspo_megatron.device import accelerator  # noqa: E402
 from gspo_megatron.megatron import parallel  # noqa: E402
-from gspo_megatron.megatron.engine import TrainingEngine  # noqa: E402
 from gspo_megatron.megatron.offload import StateOffloader  # noqa: E402
-from gspo_megatron.rollout.embedded import EmbeddedEngine  # noqa: E402
-from gspo_megatron.rollout.engine import SamplingParams  # noqa: E402
-from gspo_megatron.rollout.weight_export import MegatronWeightSource  # noqa: E402
+from gspo_megatron.megatron.training_engine import TrainingEngine  # noqa: E402
+from gspo_megatron.megatron.weight_export import MegatronWeightSource  # noqa: E402
+from gspo_megatron.rollout.base import SamplingParams  # noqa: E402
+from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine  # noqa: E402
 from gspo_megatron.spec.layout import ParallelLayout  # noqa: E402
 from gspo_megatron.spec.loss import LossSettings  # noqa: E402
 from gspo_megatron.spec.model_config import load_preset  # noqa: E402

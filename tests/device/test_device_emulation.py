@@ -7,16 +7,16 @@ import inspect
 import os
 from datetime import timedelta
 
+import device_emulation as emulation
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from device_emulation import DeviceMixError, on_device
 from launch import free_port
 
 from gspo_megatron import device as device_module
-from gspo_megatron.megatron import device_emulation as emulation
-from gspo_megatron.megatron.device_emulation import DeviceMixError, on_device
 
 HERE = os.path.basename(__file__)
 

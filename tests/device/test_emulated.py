@@ -1,6 +1,6 @@
 """The engine, routing replay, embedded rollout and weight export under the emulated accelerator:
 every tensor the model, a collective on a would-be-NCCL group or a device-side op sees is where
-a GPU run needs it (see gspo_megatron/megatron/device_emulation.py).
+a GPU run needs it (see tests/device_emulation.py).
 
 Each launch first proves the emulation is on (a mixed op is refused; the parameters are device
 tensors), so no check here can pass because the emulation was silently off.

@@ -14,7 +14,7 @@ from gspo_megatron.data.tokenizer import load_tokenizer
 from gspo_megatron.evaluation.benchmarks import build_benchmarks, run_benchmark
 from gspo_megatron.ranks import SingleRank
 from gspo_megatron.rewards.registry import build_scorer
-from gspo_megatron.rollout.engine import EpisodeRecord, RolloutSample
+from gspo_megatron.rollout.base import EpisodeRecord, RolloutSample
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +104,19 @@ def test_a_prompt_too_long_for_the_engine_is_refused(tmp_path, tokenizer):
 
 
 class Scripted:
-    """Responses that spell a fixed text per (problem, sample), as token ids."""
+    """Rollouts (a RolloutCollector's `groups` and `response_text`) that spell a fixed text per
+    (problem, sample), as token ids; `episode`: each sample's EpisodeRecord, by (problem index
+    in the call, sample)."""
 
-    def __init__(self, tokenizer, texts):
+    def __init__(self, tokenizer, texts, episode=None):
         self.tokenizer, self.texts, self.calls = tokenizer, texts, []
+        self.episode = episode
 
-    def __call__(self, problems, n, params):
+    def response_text(self, sample):
+        return self.tokenizer.decode(sample.response_ids, skip_special_tokens=False)
+
+    def groups(self, problems, n, params, *, now=False):
+        assert now  # a benchmark generates with the current weights
         self.calls.append(len(problems))
         return [
             [
@@ -118,15 +125,12 @@ class Scripted:
                     response_ids=self.tokenizer.convert_tokens_to_ids(list(self.texts[p.index][j])),
                     logprobs=[0.0] * len(self.texts[p.index][j]),
                     finish_reason="length",
+                    episode=None if self.episode is None else self.episode(i, j),
                 )
                 for j in range(n)
             ]
-            for p in problems
+            for i, p in enumerate(problems)
         ]
-
-
-def _text(tokenizer):
-    return lambda s: tokenizer.decode(s.response_ids, skip_special_tokens=False)
 
 
 def test_chunks_give_the_result_of_one_call_and_failures_are_counted(tmp_path, tokenizer):
@@ -136,9 +140,9 @@ def test_chunks_give_the_result_of_one_call_and_failures_are_counted(tmp_path, t
     [bench] = _benchmarks(
         tmp_path, tokenizer, rows, samples=3, ks=[1, 2, 3], reward={"name": "exact_match"}
     )
-    whole = run_benchmark(bench, Scripted(tokenizer, texts), _text(tokenizer), SingleRank())
+    whole = run_benchmark(bench, Scripted(tokenizer, texts), SingleRank())
     chunked_gen = Scripted(tokenizer, texts)
-    chunked = run_benchmark(bench, chunked_gen, _text(tokenizer), SingleRank(), chunk_problems=2)
+    chunked = run_benchmark(bench, chunked_gen, SingleRank(), chunk_problems=2)
     assert chunked_gen.calls == [2, 2, 1]
     assert chunked.metrics == whole.metrics and chunked.records == whole.records
     solved = [[1, 0, 1], [0, 1, 1], [1, 1, 1], [0, 0, 0], [0, 1, 0]]
@@ -154,7 +158,7 @@ def test_chunks_give_the_result_of_one_call_and_failures_are_counted(tmp_path, t
         raise RuntimeError("no verdict")
 
     bench.scorer = build_scorer_for(broken)
-    failed = run_benchmark(bench, Scripted(tokenizer, texts), _text(tokenizer), SingleRank())
+    failed = run_benchmark(bench, Scripted(tokenizer, texts), SingleRank())
     assert failed.metrics["reward_failures"] == 15 and failed.metrics["avg@3"] == 0
     assert "maj@2" not in failed.metrics  # a plain function cannot say what the answer is
 
@@ -169,15 +173,12 @@ def test_an_episode_scores_its_answer_plus_the_environments_rewards(tmp_path, to
     rows = [{"prompt": "copy:12=", "label": "12"}, {"prompt": "copy:34=", "label": "34"}]
     [bench] = _benchmarks(tmp_path, tokenizer, rows, samples=2, reward={"name": "exact_match"})
 
-    def episodes(problems, n, params):
-        groups = Scripted(tokenizer, [["12", "1"], ["34", "34"]])(problems, n, params)
-        for i, group in enumerate(groups):
-            for j, s in enumerate(group):
-                failure = "error" if (i, j) == (1, 1) else None
-                s.episode = EpisodeRecord(answer_start=0, env_reward=0.5, failure=failure)
-        return groups
+    def episode(i, j):
+        failure = "error" if (i, j) == (1, 1) else None
+        return EpisodeRecord(answer_start=0, env_reward=0.5, failure=failure)
 
-    result = run_benchmark(bench, episodes, _text(tokenizer), SingleRank())
+    episodes = Scripted(tokenizer, [["12", "1"], ["34", "34"]], episode=episode)
+    result = run_benchmark(bench, episodes, SingleRank())
     assert [r["rewards"] for r in result.records] == [[1.5, 0.5], [1.5, 0.0]]
     assert result.metrics["reward_failures"] == 1
 
@@ -187,7 +188,7 @@ def test_partial_credit_is_not_a_solve(tmp_path, tokenizer):
     rows = [{"prompt": "copy:12=", "label": "12"}, {"prompt": "copy:34=", "label": "34"}]
     [bench] = _benchmarks(tmp_path, tokenizer, rows, samples=2, reward={"name": "synthetic"})
     texts = [["12", "13"], ["35", "44"]]
-    result = run_benchmark(bench, Scripted(tokenizer, texts), _text(tokenizer), SingleRank())
+    result = run_benchmark(bench, Scripted(tokenizer, texts), SingleRank())
     assert [r["rewards"] for r in result.records] == [[1.0, 0.5], [0.5, 0.5]]
     assert [r["solved"] for r in result.records] == [[1, 0], [0, 0]]
     assert result.metrics["avg@2"] == 0.25 and result.metrics["reward_mean"] == 0.625

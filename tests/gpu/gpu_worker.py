@@ -53,10 +53,10 @@ from gspo_megatron.megatron import cpu_compat
 cpu_compat.apply()  # before megatron-core is imported
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import TrainingEngine
-from gspo_megatron.rollout.embedded import EmbeddedEngine
-from gspo_megatron.rollout.engine import SamplingParams
-from gspo_megatron.rollout.weight_export import MegatronWeightSource, export_shape
+from gspo_megatron.megatron.training_engine import TrainingEngine
+from gspo_megatron.megatron.weight_export import MegatronWeightSource, export_shape
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import ModelConfig, load_preset
@@ -392,7 +392,8 @@ def check_offload(report: Report) -> None:
     """trainer.offload_during_rollout=all on the GPU: what leaves the allocator against the
     memory planner's figure (parameters exact; DDP pads its buffers a little), and training with
     offloads between steps bitwise identical to training without."""
-    from gspo_megatron.memory_plan import PlanSettings, RolloutShare, plan
+    from gspo_megatron.memory_plan import PlanSettings, plan
+    from gspo_megatron.rollout.backends import RolloutShare
 
     adam = OptimizerSettings(name="adam", lr=1e-3, weight_decay=0.01)
     engines = [build(optimizer=adam), build(optimizer=adam)]
@@ -414,7 +415,7 @@ def check_offload(report: Report) -> None:
         ParallelLayout(),
         PlanSettings(
             micro_batch_tokens=256,
-            rollout=RolloutShare(mode="sglang", mem_fraction=0.5),
+            rollout=RolloutShare(server_fraction=0.5),
             offload_during_rollout="all",
         ),
     )

@@ -35,7 +35,7 @@ from layout_text import parse_layout
 
 from gspo_megatron.algorithms import policy_loss
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import NonFiniteError, TrainingEngine
+from gspo_megatron.megatron.training_engine import NonFiniteError, TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset

@@ -32,7 +32,7 @@ cpu_compat.apply()  # before megatron-core is imported
 from layout_text import parse_layout
 
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import TrainingEngine
+from gspo_megatron.megatron.training_engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset

@@ -45,8 +45,8 @@ from layout_worker import max_abs_diff, restore, trained_weights, weight_differe
 
 from gspo_megatron.algorithms.gae import explained_variance, explained_variance_from_sums
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.engine import TrainingEngine
 from gspo_megatron.megatron.model import ValueHead
+from gspo_megatron.megatron.training_engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset

@@ -14,13 +14,13 @@ from launch import REPO, run_worker
 from gspo_megatron.memory_plan import (
     PlanError,
     PlanSettings,
-    RolloutShare,
     in_flight_chunks,
     model_params,
     plan,
     stage_params,
     training_state_gib,
 )
+from gspo_megatron.rollout.backends import RolloutShare
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.model_config import PRESET_DIR, load_preset
 
@@ -131,7 +131,7 @@ def test_rollout_shares():
         "moe_1b",
         1,
         micro_batch_tokens=4096,
-        rollout=RolloutShare(mode="embedded", max_batch_tokens=65536),
+        rollout=RolloutShare(kv_cache_tokens=65536, keeps_policy_weights=True),
     )
     r = embedded.stages[0]
     assert r.rollout_generating > 0 and r.rollout_training == 0
@@ -140,7 +140,7 @@ def test_rollout_shares():
         1,
         gpu_gib=80,
         micro_batch_tokens=4096,
-        rollout=RolloutShare(mode="sglang", mem_fraction=0.5, offload=True),
+        rollout=RolloutShare(server_fraction=0.5, server_idle_gib=2.0),
     )
     r = sglang.stages[0]
     assert r.rollout_generating == 40 and r.rollout_training == 2.0
@@ -149,20 +149,22 @@ def test_rollout_shares():
         1,
         gpu_gib=80,
         micro_batch_tokens=4096,
-        rollout=RolloutShare(mode="sglang", mem_fraction=0.5, offload=False),
+        rollout=RolloutShare(server_fraction=0.5),
     )
     assert no_offload.stages[0].rollout_training == 40
-    assert 0 < sglang.max_sglang_fraction < 1
-    with pytest.raises(PlanError, match="mem_fraction_static"):
-        RolloutShare(mode="sglang")
+    assert 0 < sglang.max_server_fraction < 1
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        RolloutShare(
+            server_fraction=1.0, fraction_key="rollout.sglang.launch[i].mem_fraction_static"
+        )
 
 
 @pytest.mark.parametrize("rollout", ["embedded", "sglang"])
 def test_offload_during_rollout_frees_the_chosen_state_while_generating(rollout):
     share = (
-        RolloutShare(mode="embedded", max_batch_tokens=65536)
+        RolloutShare(kv_cache_tokens=65536, keeps_policy_weights=True)
         if rollout == "embedded"
-        else RolloutShare(mode="sglang", mem_fraction=0.5)
+        else RolloutShare(server_fraction=0.5)
     )
     common = dict(micro_batch_tokens=8192, tp=2, pp=2, sequence_parallel=True, ep=8)
     plans = {
@@ -182,7 +184,7 @@ def test_offload_during_rollout_frees_the_chosen_state_while_generating(rollout)
         for r in (opt, everything):
             assert r.generation_peak == pytest.approx(none.generation_peak - r.offloaded)
             assert r.training_peak == none.training_peak  # back before training
-    fractions = [plans[o].max_sglang_fraction for o in ("none", "optimizer", "all")]
+    fractions = [plans[o].max_server_fraction for o in ("none", "optimizer", "all")]
     assert fractions == sorted(fractions) and fractions[0] < fractions[2]
     with pytest.raises(PlanError, match="offload during rollout"):
         PlanSettings(micro_batch_tokens=1, offload_during_rollout="weights")

@@ -30,7 +30,8 @@ from gspo_megatron.rewards import (
     ("response", "target", "expected"),
     [
         ("4321", "4321", 1.0),  # exact
-        (" 4321\n", "4321", 1.0),  # surrounding whitespace ignored
+        ("4321 ", "4321", 4 / 5),  # a space instead of the end token: a generated token
+        (" 4321", "4321", 0.0),  # whitespace is scored like any token: shifted by one
         ("4320", "4321", 3 / 4),  # one wrong position
         ("43", "4321", 2 / 4),  # too short: missing positions score 0
         ("432100", "4321", 4 / 6),  # too long: extra positions count against
@@ -101,7 +102,7 @@ def test_registry_and_config():
     assert {"math", "exact_match", "format", "synthetic", "remote"} <= set(REWARDS)
     assert isinstance(build_reward("math", answer_format="boxed"), MathVerifyReward)
     assert isinstance(build_reward("remote", url="http://h:1/x"), RemoteReward)
-    fn = build_reward("gspo_megatron.rewards.testing:pid_reward")
+    fn = build_reward("rewards.faulty_rewards:pid_reward")
     assert fn.__name__ == "pid_reward"
     assert isinstance(
         build_reward("gspo_megatron.rewards:SyntheticReward", partial=False), SyntheticReward
@@ -113,7 +114,7 @@ def test_registry_and_config():
     with pytest.raises(ValueError, match="cannot import module"):
         build_reward("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="reward.kwargs must be empty"):
-        build_reward("gspo_megatron.rewards.testing:pid_reward", a=1)
+        build_reward("rewards.faulty_rewards:pid_reward", a=1)
     with pytest.raises(ValueError, match="reward.executor"):
         RewardConfig(executor="gpu").validate()
 

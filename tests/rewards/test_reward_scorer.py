@@ -7,9 +7,9 @@ import os
 import time
 
 import pytest
+from rewards.faulty_rewards import AsyncFaultyReward, FaultyReward, pid_reward
 
 from gspo_megatron.rewards import RewardScorer, SyntheticReward
-from gspo_megatron.rewards.testing import AsyncFaultyReward, FaultyReward, pid_reward
 
 TIMEOUT = 0.5
 

@@ -24,15 +24,15 @@ if __name__ == "__main__":
 
     cpu_compat.apply()  # before megatron-core is imported
 
-    from gspo_megatron.components import build_generator_process, generator_settings
     from gspo_megatron.config import RunConfig
     from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.engine import TrainingEngine
-    from gspo_megatron.rollout.batching import GenerationBatch, make_sequences
-    from gspo_megatron.rollout.embedded import EmbeddedEngine
-    from gspo_megatron.rollout.engine import SamplingParams
-    from gspo_megatron.rollout.generator import GeneratorProcessError, ProcessGenerator
-    from gspo_megatron.rollout.weight_export import MegatronWeightSource
+    from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.megatron.weight_export import MegatronWeightSource
+    from gspo_megatron.rollout.base import SamplingParams
+    from gspo_megatron.rollout.embedded.backend import build_generator_process, generator_settings
+    from gspo_megatron.rollout.embedded.batching import GenerationBatch, make_sequences
+    from gspo_megatron.rollout.embedded.generator import GeneratorProcessError, ProcessGenerator
+    from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.model_config import load_preset
     from gspo_megatron.spec.training import EngineSettings, OptimizerSettings

@@ -1,6 +1,6 @@
 """The embedded engine's token sampling: processed distributions, reported log-probs, seeding.
 
-Pure torch (no megatron): `gspo_megatron.rollout.sampling`.
+Pure torch (no megatron): `gspo_megatron.rollout.embedded.sampling`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from gspo_megatron.rollout.engine import SamplingParams
-from gspo_megatron.rollout.sampling import sample_tokens, sequence_seed, sequence_uniforms
+from gspo_megatron.rollout.base import SamplingParams
+from gspo_megatron.rollout.embedded.sampling import sample_tokens, sequence_seed, sequence_uniforms
 
 
 def logits_rows(rows: int = 4, vocab: int = 11, seed: int = 0) -> torch.Tensor:

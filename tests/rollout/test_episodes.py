@@ -16,7 +16,7 @@ from gspo_megatron.data.tokenizer import build_tool_char_tokenizer
 from gspo_megatron.envs import Environment, EnvironmentContractError, StepResult
 from gspo_megatron.envs.registry import EnvConfig
 from gspo_megatron.ranks import SingleRank
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams
+from gspo_megatron.rollout.base import RolloutSample, SamplingParams
 from gspo_megatron.rollout.episodes import EpisodeRunner
 
 TOKENIZER = build_tool_char_tokenizer()

@@ -15,18 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from gspo_megatron.rollout.engine import SamplingParams
-from gspo_megatron.rollout.sglang import (
-    ServerLaunchConfig,
-    SGLangEngineConfig,
-    SGLangError,
-    SGLangProtocolError,
-    SGLangServerProcess,
-    launch_command,
-)
+from gspo_megatron.rollout.base import SamplingParams
 from gspo_megatron.rollout.sglang import weight_sync as ws
 from gspo_megatron.rollout.sglang.client import RetryPolicy
+from gspo_megatron.rollout.sglang.config import ServerLaunchConfig, SGLangEngineConfig
+from gspo_megatron.rollout.sglang.launcher import SGLangServerProcess, launch_command
 from gspo_megatron.rollout.sglang.protocol import (
+    SGLangError,
+    SGLangProtocolError,
     error_reason,
     generate_body,
     parse_generate_item,
@@ -116,8 +112,9 @@ def test_launch_command_minimal_and_flags_off():
     [({"tp_size": 0}, "tp_size"), ({"port": 0}, "port"), ({"mem_fraction_static": 1.5}, "mem")],
 )
 def test_launch_config_rejects_bad_values(kwargs, key):
-    with pytest.raises(ValueError, match=key):
-        ServerLaunchConfig(model_path="m", **kwargs)
+    launch = [ServerLaunchConfig(model_path="m", **kwargs)]
+    with pytest.raises(ValueError, match=rf"rollout\.sglang\.launch\[0\]\.{key}"):
+        SGLangEngineConfig(launch=launch, disk_dir="/w").validate()
 
 
 def _fake_python(tmp_path: Path, body: str) -> str:
@@ -217,12 +214,16 @@ def _proc_state(pid: int) -> str:
             {"return_routed_experts": True, "launch": [ServerLaunchConfig(model_path="m")]},
             "launch[0].enable_return_routed_experts",
         ),
+        # sglang-router health-checks its workers with GET /health: fatal on released memory
+        ({"offload_after_generate": True, "router_url": "http://r:1"}, "rollout.sglang.router_url"),
+        # SGLang asserts a non-empty name outside any try: the server would exit
+        ({"weight_sync": "distributed", "group_name": ""}, "rollout.sglang.group_name"),
     ],
 )
 def test_engine_config_errors_name_the_key(kwargs, fragment):
     base = {"urls": ["http://127.0.0.1:1"], "weight_sync": "tensor"}
     with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
-        SGLangEngineConfig(**{**base, **kwargs})
+        SGLangEngineConfig(**{**base, **kwargs}).validate()
 
 
 def test_engine_config_is_a_hydra_structured_config():

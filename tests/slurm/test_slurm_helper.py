@@ -170,14 +170,14 @@ def test_preflight_accepts_a_valid_config_and_composes_sglang_overrides(tmp_path
             1,
             1,
             None,
-            "rollout.sglang: rollout.sglang.recovery_timeout_s: must be > 0, got 0",
+            "error: config: rollout.sglang.recovery_timeout_s must be > 0, got 0",
         ),
         (
             ["rollout=sglang", "+rollout.sglang.launch=[{model_path:/m,prt:1}]"],
             1,
             1,
             None,
-            "rollout.sglang: ServerLaunchConfig.__init__() got an unexpected keyword argument",
+            "error: config: unknown config key rollout.sglang.launch[0].prt",
         ),
         (["model=qwen3_30b_a3b", "parallel.ep=4"], 1, 4, 79.6, "does not fit in 79.6 GiB per GPU"),
         (
@@ -198,7 +198,7 @@ def test_preflight_refuses_bad_input_with_the_reason(overrides, nodes, gpus, mem
 def test_memory_check_can_be_waived_and_dry_run_only_notes_paths():
     big = ["model=qwen3_30b_a3b", "parallel.ep=4", "model.init_from=/nonexistent/hf"]
     waived = slurm.preflight(
-        big, nodes=1, gpus_per_node=4, gpu_memory_gib=79.6, memory_check=False, check_paths=False
+        big, nodes=1, gpus_per_node=4, gpu_memory_gib=79.6, memory_check=False, check_inputs=False
     )
     assert waived.ok and "warning: the memory plan says it does not fit" in waived.text()
     assert "note (dry run, not an error here): model.init_from" in waived.text()

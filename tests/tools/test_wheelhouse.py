@@ -93,7 +93,7 @@ def test_offline_install_from_a_wheelhouse(tmp_path):
     check = (
         "import torch, gspo_megatron; from gspo_megatron.megatron import cpu_compat; "
         "assert cpu_compat.apply(); import megatron.core, hydra, math_verify; "
-        "from gspo_megatron.megatron.engine import TrainingEngine; "
+        "from gspo_megatron.megatron.training_engine import TrainingEngine; "
         "print(torch.__version__, gspo_megatron.__file__, megatron.core.__file__)"
     )
     proc = subprocess.run(

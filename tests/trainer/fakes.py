@@ -21,6 +21,7 @@ import concurrent.futures
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from gspo_megatron import CONF_DIR
 from gspo_megatron.algorithms.gae import value_loss_terms
 from gspo_megatron.algorithms.losses import policy_loss
 from gspo_megatron.algorithms.metrics import finalize_metrics
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams
+from gspo_megatron.rollout.base import RolloutSample, SamplingParams
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.sample import TrainSample, validate_samples
 
@@ -693,18 +694,6 @@ class FakeRollout:
         self.version = version
         self.journal.add("update_weights", WeightUpdate(source, version))
 
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-    def flush_cache(self) -> None:
-        pass
-
-    def health(self) -> bool:
-        return not self.closed
-
     def close(self) -> None:
         self.closed = True
 
@@ -741,7 +730,7 @@ class FakeGeneratorProcess(FakeRollout):
         self._run_ready()
         return future
 
-    def update_weights(self, source, version: int) -> None:
+    def update_weights(self, source, version: int, urls=None) -> None:
         super().update_weights(source, version)
         self._run_ready()
 
@@ -765,6 +754,42 @@ class FakeGeneratorProcess(FakeRollout):
 
     def fault_metrics(self) -> dict[str, float]:
         return {}
+
+
+# -- a rollout backend registered from the tests ---------------------------------------------
+
+
+def build_fake_server(cfg, policy, run):
+    """The fake server backend's engine: FakeGeneratorProcess (a ServerRolloutEngine) sampling
+    from the policy's weights; no weight source (it reads the policy)."""
+    record = cfg.algorithm.routing_replay == "r3"
+    return FakeGeneratorProcess(policy, record_routes=record, logprob_noise=0.05), None
+
+
+def check_fake_server(cfg) -> None:
+    from gspo_megatron.config import ConfigError
+
+    if cfg.rollout.top_p != 1.0 or cfg.rollout.top_k != -1:
+        raise ConfigError(
+            "rollout.top_p / rollout.top_k with rollout.engine=fake_server: the fake servers "
+            "sample without them"
+        )
+
+
+def _fake_server_backend():
+    from gspo_megatron.rollout.backends import RolloutBackend, RolloutShare
+
+    return RolloutBackend(
+        build=build_fake_server,
+        memory_share=lambda rollout: RolloutShare(server_fraction=0.25, fraction_key="fake"),
+        keeps_policy_weights=False,
+        check=check_fake_server,
+        describe=lambda cfg: "rollout: fake servers",
+    )
+
+
+# What a test registers: ROLLOUT_BACKENDS["fake_server"] = "trainer.fakes:FAKE_SERVER_BACKEND".
+FAKE_SERVER_BACKEND = _fake_server_backend()
 
 
 # -- run files ---------------------------------------------------------------------------------
@@ -882,8 +907,13 @@ def build_fake_run(
     logprob_noise: float = 0.05,
     checkpoints: MemoryCheckpoints | None = None,
     lr: float = 0.5,
+    rollout_from_backend: bool = False,
+    run_dir: Path | None = None,
 ) -> FakeRun:
-    """The trainer gspo-train builds (components.build_trainer), with fake engines and stores."""
+    """The trainer gspo-train builds (components.build_trainer), with fake engines and stores.
+    The rollout engine is a fake one of the rollout.mode's kind, or with `rollout_from_backend`
+    the one rollout.engine's backend builds (components.build_rollout, keeping its files in
+    `run_dir`)."""
     from gspo_megatron.data.config import build_datasets
     from gspo_megatron.evaluation.benchmarks import build_benchmarks
     from gspo_megatron.ranks import SingleRank
@@ -915,9 +945,16 @@ def build_fake_run(
             journal=journal,
             seed=cfg.seed,
         )
-    rollout = (FakeRollout if cfg.rollout.mode == "sync" else FakeGeneratorProcess)(
-        policy, record_routes=cfg.algorithm.routing_replay == "r3", logprob_noise=logprob_noise
-    )
+    source = None
+    if rollout_from_backend:
+        from gspo_megatron.components import build_rollout
+
+        assert run_dir is not None, "a backend's engine needs a run directory"
+        rollout, source = build_rollout(cfg, policy, run_dir)
+    else:
+        rollout = (FakeRollout if cfg.rollout.mode == "sync" else FakeGeneratorProcess)(
+            policy, record_routes=cfg.algorithm.routing_replay == "r3", logprob_noise=logprob_noise
+        )
     run = FakeRun(
         cfg=cfg,
         trainer=None,
@@ -947,7 +984,7 @@ def build_fake_run(
         log=run.log,
         checkpoints=run.checkpoints,
         watchdog=run.watchdog,
-        weight_source=None,
+        weight_source=source,
         reference=reference,
         critic=critic,
     )

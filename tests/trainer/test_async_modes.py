@@ -11,7 +11,7 @@ dropped and counted; the partial-rollout mask; a resume redraws the batches that
 from __future__ import annotations
 
 import pytest
-from trainer.fakes import MemoryCheckpoints, build_fake_run
+from trainer.fakes import SMALL, MemoryCheckpoints, build_fake_run
 
 from gspo_megatron.config import ConfigError
 
@@ -206,11 +206,11 @@ def test_refused_combinations_name_their_keys(composer, overrides, keys, reason)
     ids=["sglang-tensor", "sglang-offload"],
 )  # fmt: skip
 def test_refused_sglang_combinations_name_their_keys(composer, mode, sglang, keys, reason):
-    from gspo_megatron.components import sglang_config
+    from gspo_megatron.config import resolve
 
-    cfg, _, _ = composer.resolve("rollout=sglang", f"rollout.mode={mode}")
-    cfg.rollout.sglang.update(urls=["http://127.0.0.1:1"], **sglang)
+    raw = composer.raw(*SMALL, "rollout=sglang", f"rollout.mode={mode}")
+    raw["rollout"]["sglang"].update(urls=["http://127.0.0.1:1"], **sglang)
     with pytest.raises(ConfigError) as err:
-        sglang_config(cfg)
+        resolve(raw, 1)
     for key in (*keys, reason):
         assert key in str(err.value)

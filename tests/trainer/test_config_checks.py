@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 from trainer.fakes import ConfigComposer
 
 from gspo_megatron.config import ConfigError, compose, resolve
@@ -43,15 +44,37 @@ def resolved(*overrides: str):
         (["env=calculator", "rollout.mode=one_step_off"],
          "env.name=calculator with rollout.mode=one_step_off"),
         (["env.name=nope"], "unknown env.name='nope'"),
+        (["rollout.max_new_tokens=3"],
+         "rollout.max_new_tokens=3 leaves no room for the end token after data.task=copy's "
+         "longest answer (3 characters)"),
+        (["data.task=add", "rollout.max_new_tokens=8", "eval.heldout.max_new_tokens=4"],
+         "eval.heldout.max_new_tokens=4 leaves no room for the end token after data.task=add's "
+         "longest answer (4 characters)"),
+        (["data.task=expr"],
+         "data.task=expr labels are code problems, which reward.name=synthetic cannot score"),
+        (["reward=code"],
+         "reward.name=code runs programs on a label's tests; data.task=copy's labels are answer "
+         "strings"),
+        (["reward=code", "data.task=expr", "rollout.max_new_tokens=3"],
+         "rollout.max_new_tokens=3 leaves no room for the end token after data.task=expr's "
+         "longest answer (3 characters): the code reward gives full credit only to the answer "
+         "followed by the end token"),
     ],
     ids=["coef-without-type", "type-without-coef", "dense", "sinkhorn", "moved-key",
          "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget",
-         "env-async", "env-one-step-off", "env-unknown"],
+         "env-async", "env-one-step-off", "env-unknown", "no-room-for-the-end-token",
+         "no-room-for-the-end-token-in-evaluation", "code-task-without-code-reward",
+         "code-reward-without-code-task", "no-room-for-the-end-token-in-code"],
 )  # fmt: skip
 def test_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
         resolved(*overrides)
     assert message in str(err.value)
+
+
+def test_the_code_experiment_resolves():
+    cfg, _, _ = resolve(compose(["+experiment=code_cpu"]), 1)
+    assert (cfg.data.task, cfg.reward.name, cfg.model.tokenizer) == ("expr", "code", "char_expr")
 
 
 def test_environment_kwargs_checked_against_the_class():
@@ -131,7 +154,14 @@ def test_every_constrained_field_is_refused_naming_its_own_key():
     for key, f in fields:
         override = f"{key}={_invalid(f)}"
         with pytest.raises(ConfigError) as err:
-            resolved(override)
+            if key.startswith("rollout.sglang."):
+                # A mapping in Hydra's schema (so `+rollout.sglang.KEY=...` adds keys): the value
+                # goes into the composed dict, typed as YAML would give it.
+                raw = COMPOSER.raw()
+                raw["rollout"]["sglang"][key.rsplit(".", 1)[1]] = yaml.safe_load(_invalid(f))
+                resolve(raw, 1)
+            else:
+                resolved(override)
         message = str(err.value)
         assert message.startswith(key), (override, message)
         for named in re.findall(KEY, message):
@@ -151,7 +181,8 @@ def test_every_key_in_a_config_message_exists():
     raw = compose(["algorithm.mismatch=tis"])  # any valid config: the keys are the same
     package = Path(gspo_megatron.__file__).parent
     sources = ["config.py", "data/config.py", "rewards/registry.py", "envs/registry.py",
-               "spec/training.py",
+               "spec/training.py", "rollout/backends.py", "rollout/sglang/backend.py",
+               "rollout/sglang/config.py", "rollout/embedded/backend.py",
                "memory_plan.py", "run_health.py", "components.py", "evaluation/config.py",
                "evaluation/benchmarks.py", "evaluate.py"]  # fmt: skip
     named = set()

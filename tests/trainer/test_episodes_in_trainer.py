@@ -9,9 +9,9 @@ import pytest
 from trainer.fakes import SMALL, build_fake_run
 from trainer.test_trainer_options import AGGREGATION, check_losses
 
+from gspo_megatron.collector import RolloutBatch
 from gspo_megatron.rewards.synthetic import partial_credit
-from gspo_megatron.rollout.engine import EpisodeRecord, RolloutSample
-from gspo_megatron.trainer import RolloutBatch
+from gspo_megatron.rollout.base import EpisodeRecord, RolloutSample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,7 +41,7 @@ def test_losses_over_model_tokens_only(composer, tokenizer, loss):
 
 def test_episode_reward_is_answer_score_plus_step_rewards(composer, tokenizer):
     fake = run(composer, tokenizer)
-    trainer = fake.trainer
+    collector = fake.trainer.collector
     prompt = fake.train_data.prompts[0]
     answer = tokenizer.encode(prompt.label, add_special_tokens=False)
     observation = tokenizer.encode("+:+", add_special_tokens=False)
@@ -63,8 +63,8 @@ def test_episode_reward_is_answer_score_plus_step_rewards(composer, tokenizer):
         episode(EpisodeRecord(turns=2, env_reward=0.0, failure="tool_error")),
     ]
     batch = RolloutBatch(prompts=[prompt], groups=[group])
-    rewards = trainer.score(batch)
-    assert trainer.response_text(group[0]) == prompt.label
+    rewards = collector.score(batch)
+    assert collector.response_text(group[0]) == prompt.label
     assert partial_credit(prompt.label, prompt.label) == 1.0
     assert rewards.tolist() == [[1.25, 0.0, 0.0, 0.0]]
     assert batch.failed_rewards == 2

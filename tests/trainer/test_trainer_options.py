@@ -689,7 +689,10 @@ def test_offload_during_rollout_brackets_generation(composer, tokenizer, what, r
                  f"algorithm.kl_coef={kl_coef}"]  # fmt: skip
     if rollout == "sglang":
         overrides.append("rollout=sglang")  # the fake rollout engine stands in for the servers
-    cfg, model, layout = composer.resolve(*overrides)
+    raw = composer.raw(*SMALL, *overrides)
+    if rollout == "sglang":
+        raw["rollout"]["sglang"]["urls"] = ["http://127.0.0.1:1"]
+    cfg, model, layout = resolve(raw)
     run = build_fake_run(cfg, model, layout, tokenizer)
     run.train()
     plain = run_fake(composer, tokenizer, "trainer.steps=2", f"algorithm.kl_coef={kl_coef}")

@@ -1,38 +1,8 @@
-"""SGLang rollout engine: launcher, async HTTP client, weight sync (tensor / distributed / disk).
+"""The SGLang rollout engine, one concern per module: its config section (config.py, plain),
+launcher, async HTTP client and protocol, server pool (servers.py), first contact (startup.py),
+server memory (memory.py), generation (generation.py), weight updaters, one per mode
+(updates/), their wire formats (weight_sync.py), and the engine that ties them (engine.py).
 
-A real SGLang server needs a GPU; see docs/SGLANG.md. Nothing here imports sglang itself.
+A real SGLang server needs a GPU; see docs/SGLANG.md. Nothing here imports sglang itself, and
+importing this package imports none of its modules (the config layer reads config.py alone).
 """
-
-from gspo_megatron.rollout.sglang.client import RetryPolicy, SGLangClient
-from gspo_megatron.rollout.sglang.engine import SGLangEngine, SGLangEngineConfig
-from gspo_megatron.rollout.sglang.launcher import (
-    ServerLaunchConfig,
-    SGLangServerProcess,
-    launch_command,
-    wait_until_healthy,
-)
-from gspo_megatron.rollout.sglang.protocol import (
-    SGLangConnectionError,
-    SGLangError,
-    SGLangHTTPError,
-    SGLangProtocolError,
-    SGLangTimeoutError,
-    WeightUpdateError,
-)
-
-__all__ = [
-    "RetryPolicy",
-    "SGLangClient",
-    "SGLangConnectionError",
-    "SGLangEngine",
-    "SGLangEngineConfig",
-    "SGLangError",
-    "SGLangHTTPError",
-    "SGLangProtocolError",
-    "SGLangServerProcess",
-    "SGLangTimeoutError",
-    "ServerLaunchConfig",
-    "WeightUpdateError",
-    "launch_command",
-    "wait_until_healthy",
-]

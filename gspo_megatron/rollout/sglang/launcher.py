@@ -14,55 +14,16 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from gspo_megatron.rollout.sglang.config import ServerLaunchConfig
 from gspo_megatron.rollout.sglang.protocol import SGLangError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerLaunchConfig:
-    """One SGLang server. Field names follow SGLang's flags (`tp_size` -> `--tp-size`)."""
-
-    model_path: str
-    host: str = "127.0.0.1"
-    port: int = 30000
-    tp_size: int = 1
-    dp_size: int = 1
-    ep_size: int = 1
-    mem_fraction_static: float | None = None  # None: SGLang's own default
-    base_gpu_id: int | None = None  # first GPU of this server when several share a node
-    enable_return_routed_experts: bool = False  # needed for routing replay (R3)
-    enable_memory_saver: bool = False  # needed for /release_memory_occupation (colocated)
-    deterministic: bool = False  # --enable-deterministic-inference: honours sampling_seed
-    api_key: str | None = None
-    weight_version: str | None = None
-    extra_args: list[str] = field(default_factory=list)  # passed through verbatim
-    python: str = sys.executable
-
-    def __post_init__(self) -> None:
-        for name in ("tp_size", "dp_size", "ep_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"rollout.sglang.launch.{name} must be >= 1")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"rollout.sglang.launch.port must be in 1..65535, got {self.port}")
-        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ValueError(
-                "rollout.sglang.launch.mem_fraction_static must be in (0, 1), got "
-                f"{self.mem_fraction_static}"
-            )
-
-    @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}"
 
 
 def launch_command(cfg: ServerLaunchConfig) -> list[str]:
@@ -185,9 +146,10 @@ class SGLangServerProcess:
         """None while the process runs (or before it started), else why it stopped."""
         if self._proc is None or self._proc.poll() is None:
             return None
-        return f"exit code {self._proc.returncode}; {self._context()}"
+        return f"exit code {self._proc.returncode}; {self.context()}"
 
-    def _context(self) -> str:
+    def context(self) -> str:
+        """The command (API key redacted) and the last lines of its log."""
         tail = ""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()[-20:]
@@ -204,7 +166,7 @@ class SGLangServerProcess:
                 api_key=self.cfg.api_key,
                 poll_s=poll_s,
                 alive=self.exit_reason,
-                what=f"; {self._context()}",
+                what=f"; {self.context()}",
             )
         except SGLangError:
             self.stop()

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gspo_megatron.rollout.engine import SamplingParams
+from gspo_megatron.rollout.base import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

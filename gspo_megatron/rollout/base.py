@@ -1,13 +1,21 @@
-"""The rollout engine interface shared by the embedded engine and the SGLang engine.
+"""What every rollout engine shares: the two kinds of engine the trainer drives, and the data
+they exchange with it.
 
-The trainer talks to every engine through `RolloutEngine`; token ids go in, per-sample token ids,
-log-probs of the sampled tokens and finish reasons come out. Weights flow in through
-`update_weights` as a stream of Hugging Face-named tensors (see `WeightSource`), so an engine never
-needs to know how the trainer shards its model.
+An engine is one of two kinds (rollout/driver.py calls each as its kind needs):
+  * `InProcessRolloutEngine`: generates in the trainer's own processes, collectively (every
+    rank calls it with the same arguments and gets the same samples): the embedded engine.
+  * `ServerRolloutEngine`: generates outside the trainer (SGLang servers, the generator process
+    of rollout.mode one_step_off / async); rank 0 drives it and shares the samples, while every
+    rank takes part in its weight updates (the weight source's collectives).
+Token ids go in; per-sample token ids, log-probs of the sampled tokens and finish reasons come
+out. Weights flow in through `update_weights` as a stream of Hugging Face-named tensors (see
+`WeightSource`), so an engine never needs to know how the trainer shards its model. Which engine
+a run uses is `rollout.engine`, looked up in rollout/backends.py.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -133,18 +141,11 @@ class WeightSource(Protocol):
 
 
 @runtime_checkable
-class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine.
+class InProcessRolloutEngine(Protocol):
+    """An engine that generates in the trainer's processes: every rank calls every method, with
+    the same arguments, and gets the same result (the embedded engine)."""
 
-    `generates_on_every_rank`: true for engines whose generation is collective over the
-    trainer's ranks (the embedded engine); false for engines outside the trainer (SGLang
-    servers, the generator process), driven by rank 0 (the trainer shares the samples), which
-    also offer `start_generate`, `servers_to_resync`, `update_weights(..., urls=)`,
-    `resync_poll_s` and `fault_metrics` (gspo_megatron/rollout/driver.py,
-    gspo_megatron/rollout/sglang/engine.py, gspo_megatron/rollout/generator.py).
-    """
-
-    generates_on_every_rank: bool
+    generates_on_every_rank: Literal[True]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
@@ -153,18 +154,55 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, source: WeightSource | None, version: int) -> None:
-        """Load new policy weights and tag subsequent samples with `version`.
-
-        `source` is None for engines that share the trainer's parameters in memory.
-        """
+        """Tag later samples with `version`; `source` is None when the engine shares the
+        trainer's parameters in memory."""
         ...
 
-    def pause(self) -> None: ...
+    def close(self) -> None: ...
 
-    def resume(self) -> None: ...
 
-    def flush_cache(self) -> None: ...
+@runtime_checkable
+class ServerRolloutEngine(Protocol):
+    """An engine that generates outside the trainer (servers, a process of its own). Rank 0
+    starts and waits for its generate jobs (rollout/driver.py), polling every `resync_poll_s`
+    for servers that need the weights again; every rank calls `update_weights` (the weight
+    source's collectives), the other ranks' engines only drive those."""
 
-    def health(self) -> bool: ...
+    generates_on_every_rank: Literal[False]
+
+    @property
+    def resync_poll_s(self) -> float: ...
+
+    def start_generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        min_version: int | None = None,
+        urgent: bool = False,
+    ) -> concurrent.futures.Future:
+        """A generate job: its future gives `n` samples per prompt, grouped per prompt, and then
+        holds the job's `JobStats` as `job_stats`. It starts with weights of version >=
+        `min_version` (default: the latest); `urgent` jobs go before queued ones."""
+        ...
+
+    def servers_to_resync(self) -> list[str]:
+        """Servers (by URL) that are due for the whole current weights, on rank 0."""
+        ...
+
+    def update_weights(
+        self, source: WeightSource | None, version: int, urls: Sequence[str] | None = None
+    ) -> None:
+        """The source's weights as `version`, to every server (or to `urls` alone: a re-sync).
+        A failure that leaves servers without them raises `WeightsNotLoadedError`."""
+        ...
+
+    def fault_metrics(self) -> dict[str, float]:
+        """Counts of faults since the last call, as rollout/* metrics (rank 0's)."""
+        ...
 
     def close(self) -> None: ...
+
+
+RolloutEngine = InProcessRolloutEngine | ServerRolloutEngine

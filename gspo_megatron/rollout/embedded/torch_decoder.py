@@ -1,7 +1,7 @@
 """The Qwen3 / Qwen3-MoE forward as a flat sequence of torch ops, with a KV cache (no megatron).
 
 `TorchDecoder` runs the model for the embedded engine (bound to the trainer's megatron parameters
-in place, gspo_megatron/rollout/decoders.py) and for the asynchronous generator process (bound
+in place, rollout/embedded/decoders.py) and for the asynchronous generator process (bound
 to its own copy of the Hugging Face-named weights, `hf_decoder_weights`). Rows may start at
 different slots (left padding): RoPE positions are per row and padding slots are masked out as
 keys. Keys are cached after RoPE, grouped-query attention runs without repeating K/V, experts

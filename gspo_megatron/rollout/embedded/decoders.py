@@ -8,7 +8,7 @@ slot offset and return the logits of the last fed position (plus the routed expe
   start at slot 0 (megatron's static cache gives all rows the same positions and its local
   attention takes no padding mask), and megatron's per-module overhead costs ~3.5 ms per decode
   step on CPU even for a two-layer model.
-* `TorchDecoder` (gspo_megatron/rollout/torch_decoder.py): the same Qwen3 / Qwen3-MoE math as
+* `TorchDecoder` (rollout/embedded/torch_decoder.py): the same Qwen3 / Qwen3-MoE math as
   a flat sequence of torch ops, bound here to the trainer's parameter tensors in place
   (`megatron_torch_decoder`). Used when the model is not split (tp = ep = etp = 1) and has the
   local-spec Qwen3(-MoE) structure; `check_against` compares it with `GPTModel.forward` before
@@ -28,7 +28,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from gspo_megatron.device import accelerator
-from gspo_megatron.rollout.torch_decoder import (
+from gspo_megatron.rollout.embedded.torch_decoder import (
     DecoderLayer,
     DecoderSpec,
     DecoderWeights,

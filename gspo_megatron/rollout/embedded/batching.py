@@ -3,7 +3,7 @@
 No megatron import (the asynchronous generator process runs it). A generate call's sequences
 (`make_sequences`) are sorted by prompt length and cut into batches of at most
 `max_batch_tokens` cache slots (`plan_batches`); a `GenerationBatch` runs one batch with a
-decoder (gspo_megatron/rollout/decoders.py, torch_decoder.py) and emits a `RolloutSample` per
+decoder (rollout/embedded/decoders.py, torch_decoder.py) and emits a `RolloutSample` per
 sequence. The batch asks its `Generator` for new weights before every decode step
 (`refresh_weights`): when they changed, every row's tokens so far are fed again under them and
 generation goes on (a partial rollout), each token keeping the version that sampled it.
@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams
-from gspo_megatron.rollout.sampling import sample_tokens, sequence_uniforms
+from gspo_megatron.rollout.base import RolloutSample, SamplingParams
+from gspo_megatron.rollout.embedded.sampling import sample_tokens, sequence_uniforms
 
 
 class Generator(Protocol):

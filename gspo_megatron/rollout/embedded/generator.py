@@ -2,7 +2,7 @@
 
 `rollout.mode=one_step_off` or `async` with `rollout.engine=embedded`. Rank 0 starts one process
 (spawned: no CUDA state or gloo threads are inherited) that holds the policy's Hugging
-Face-named weights and generates with `TorchDecoder` (gspo_megatron/rollout/torch_decoder.py)
+Face-named weights and generates with `TorchDecoder` (rollout/embedded/torch_decoder.py)
 while the trainer trains. Like a rollout server, it takes its weights from the trainer's
 `WeightSource`, so every training layout feeds it; unlike one, the weights cross in shared
 memory:
@@ -34,16 +34,20 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.rollout.batching import GenerationBatch, make_sequences, plan_batches
-from gspo_megatron.rollout.engine import (
+from gspo_megatron.rollout.base import (
     JobStats,
     RolloutSample,
     RolloutUnavailableError,
     SamplingParams,
     WeightSource,
 )
-from gspo_megatron.rollout.sampling import sequence_seed
-from gspo_megatron.rollout.torch_decoder import DecoderSpec, TorchDecoder, hf_decoder_weights
+from gspo_megatron.rollout.embedded.batching import GenerationBatch, make_sequences, plan_batches
+from gspo_megatron.rollout.embedded.sampling import sequence_seed
+from gspo_megatron.rollout.embedded.torch_decoder import (
+    DecoderSpec,
+    TorchDecoder,
+    hf_decoder_weights,
+)
 from gspo_megatron.spec.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -81,7 +85,7 @@ class _Job:
 
 
 class GeneratorProcessEngine:
-    """A `RolloutEngine` whose generation runs in a process of its own, on rank 0.
+    """A `ServerRolloutEngine` whose generation runs in a process of its own, on rank 0.
 
     `weights` names every tensor the source streams, with its shape and dtype; `rope_table`
     holds the trainer's RoPE angles [max positions, head dim]. Every rank builds one (the
@@ -137,7 +141,7 @@ class GeneratorProcessEngine:
         self._reader.daemon = True
         self._reader.start()
 
-    # -- RolloutEngine ----------------------------------------------------------------------
+    # -- ServerRolloutEngine ----------------------------------------------------------------
 
     def start_generate(
         self,
@@ -212,18 +216,6 @@ class GeneratorProcessEngine:
 
     def fault_metrics(self) -> dict[str, float]:
         return {}
-
-    def pause(self) -> None:
-        """Generation pauses by itself between jobs (nothing queued)."""
-
-    def resume(self) -> None:
-        """See pause()."""
-
-    def flush_cache(self) -> None:
-        """No cache outlives a job."""
-
-    def health(self) -> bool:
-        return not self.leader or (not self._closed and self._process.is_alive())
 
     def close(self) -> None:
         if self._closed:

@@ -1,7 +1,9 @@
 """Rewards that misbehave on purpose, for tests of the scorer and the trainer's failure paths.
 
-They live in the package (not in tests/) so worker processes can import them by reference
-whatever pytest's import mode. The label chooses the behaviour:
+Test-only: tests import them as `rewards.faulty_rewards` (tests/ is on sys.path, pyproject's
+pytest `pythonpath`), and a worker process, which starts with its parent's sys.path
+(gspo_megatron/isolation/pool.py), imports them by that reference. The label chooses the
+behaviour:
 
     "hang"   sleep for `hang_s` seconds (a hung sync call)
     "spin"   busy-loop forever (a CPU-bound hang, holding the GIL in a thread)

@@ -17,7 +17,7 @@ lives in CPU memory, but tensors meant for the accelerator carry a tag, and
 
 Usage, in a worker process, before megatron is imported:
 
-    from gspo_megatron.megatron import device_emulation
+    import device_emulation
     device_emulation.enable()
     import megatron.core  # or anything that imports it
 
@@ -106,7 +106,7 @@ class _Tags:
 
 
 _TAGS = _Tags()
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[1]
 _PROJECT_DIRS = (str(_REPO / "gspo_megatron") + os.sep, str(_REPO / "tests") + os.sep)
 # Frames skipped when naming a call site: torch, the standard library (contextlib, functools,
 # ...) and typing_extensions' decorator wrappers.

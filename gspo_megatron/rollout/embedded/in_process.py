@@ -4,7 +4,7 @@ No weight copy: the engine holds the `TrainingEngine` and reads its model chunk'
 so `update_weights(None, version)` only tags later samples with the new version. It is the
 default engine of every CPU run and test.
 
-Two decoders run the model with a KV cache (gspo_megatron/rollout/decoders.py):
+Two decoders run the model with a KV cache (rollout/embedded/decoders.py):
   * "torch" (default when the model is not split: tp = ep = etp = 1): the Qwen3(-MoE) forward as
     plain torch ops over the same parameter tensors. megatron's module overhead costs ~3.5 ms per
     decode step on CPU even for a two-layer model; this path is ~4x faster per step and is
@@ -29,7 +29,7 @@ How a generate call runs
     to the prompt's n samples. Finished rows are dropped from the batch and the cache once a
     quarter of the rows are finished, so early stops do not cost compute.
 
-Sampling (SGLang's conventions; gspo_megatron/rollout/sampling.py) and the reported log-probs
+Sampling (SGLang's conventions; rollout/embedded/sampling.py) and the reported log-probs
   * temperature 0: greedy (argmax); the log-prob is that of the unprocessed model distribution
     (softmax of the logits), since the point mass actually sampled from would report 0.
   * otherwise: logits / temperature; top-k keeps the k largest; top-p keeps the smallest prefix
@@ -68,22 +68,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from gspo_megatron.device import accelerator
-from gspo_megatron.rollout.batching import GenerationBatch, make_sequences, plan_batches
-from gspo_megatron.rollout.decoders import (
+from gspo_megatron.rollout.base import RolloutSample, SamplingParams, WeightSource
+from gspo_megatron.rollout.embedded.batching import GenerationBatch, make_sequences, plan_batches
+from gspo_megatron.rollout.embedded.decoders import (
     MegatronDecoder,
     check_against,
     megatron_torch_decoder,
     torch_decoder_unsupported,
 )
-from gspo_megatron.rollout.engine import RolloutSample, SamplingParams, WeightSource
-from gspo_megatron.rollout.sampling import sequence_seed
+from gspo_megatron.rollout.embedded.sampling import sequence_seed
 
 if TYPE_CHECKING:
-    from gspo_megatron.megatron.engine import TrainingEngine
+    from gspo_megatron.megatron.training_engine import TrainingEngine
 
 
 class EmbeddedEngine:
-    """A `RolloutEngine` that generates with the trainer's own megatron model (KV cache, batched).
+    """An `InProcessRolloutEngine` that generates with the trainer's own megatron model (KV
+    cache, batched).
 
     Call `generate` on every rank of the trainer with the same arguments; every rank returns the
     same samples. `max_batch_tokens` bounds the KV-cache slots of one batch (rows * (longest
@@ -139,11 +140,10 @@ class EmbeddedEngine:
         self._calls = 0
         # this rank's share of the last generate call (for logging)
         self.stats: dict[str, int] = {}
-        self._paused = False
         self._closed = False
         self.decoder = self._choose_decoder(backend)
 
-    # -- RolloutEngine ----------------------------------------------------------------------
+    # -- InProcessRolloutEngine -------------------------------------------------------------
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
@@ -151,8 +151,6 @@ class EmbeddedEngine:
         """`n` samples for each prompt, grouped per prompt in prompt order (on every rank)."""
         if self._closed:
             raise RuntimeError("generate() on a closed EmbeddedEngine")
-        if self._paused:
-            raise RuntimeError("generate() while the EmbeddedEngine is paused; call resume()")
         if n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
         seed = params.seed
@@ -204,18 +202,6 @@ class EmbeddedEngine:
     def refresh_weights(self) -> bool:
         """The weights are the trainer's, which do not change while it generates."""
         return False
-
-    def pause(self) -> None:
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-
-    def flush_cache(self) -> None:
-        """No cache outlives a generate call."""
-
-    def health(self) -> bool:
-        return not self._closed
 
     def close(self) -> None:
         self._closed = True

@@ -287,7 +287,7 @@ class TrainingEngine:
 
     # -- public API -----------------------------------------------------------------------------
 
-    # -- what the embedded rollout engine uses (rollout/embedded.py) ------------------------------
+    # -- what the embedded rollout engine uses (rollout/embedded/in_process.py) --------------
     # `unwrapped_chunks` (the modules to run), `model_config`, `layout`, `settings`, `config`
     # (megatron's TransformerConfig), `routes` (the RouteRecorder, MoE only) and
     # `generation_mode()`; nothing else of the engine's state.

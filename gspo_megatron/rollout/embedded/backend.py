@@ -1,0 +1,89 @@
+"""The embedded backend (`rollout.engine=embedded`, the default): generation from the policy's own
+weights. With rollout.mode=sync it runs in the trainer's processes (in_process.EmbeddedEngine,
+an InProcessRolloutEngine); with one_step_off / async in a generator process of its own on rank
+0 (generator.GeneratorProcessEngine, a ServerRolloutEngine), fed the policy's weights after each
+step. Registered in rollout/backends.py; it imports its engines when it builds one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gspo_megatron.config_fields import ConfigError
+from gspo_megatron.rollout.backends import RolloutBackend, RolloutShare, RunContext
+
+if TYPE_CHECKING:
+    from gspo_megatron.config import RolloutSection, RunConfig
+    from gspo_megatron.megatron.training_engine import TrainingEngine
+
+
+def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
+    """The engine over the policy, and the weight source of the generator process (None in
+    process: it reads the policy's parameters)."""
+    record_routes = cfg.algorithm.routing_replay == "r3"
+    if cfg.rollout.mode != "sync":
+        return build_generator_process(cfg, policy, record_routes)
+    from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
+
+    engine = EmbeddedEngine(
+        policy,
+        max_batch_tokens=cfg.rollout.max_batch_tokens,
+        record_routes=record_routes,
+        seed=cfg.seed,
+    )
+    return engine, None
+
+
+def build_generator_process(cfg: RunConfig, policy: TrainingEngine, record_routes: bool):
+    """The embedded engine's asynchronous form (rollout.mode one_step_off / async) and the
+    weight source it copies from; rank 0 starts the process."""
+    from gspo_megatron.megatron.weight_export import MegatronWeightSource
+    from gspo_megatron.rollout.embedded.generator import GeneratorProcessEngine
+
+    source = MegatronWeightSource.from_engine(policy)
+    settings, rope = generator_settings(cfg, policy, record_routes)
+    dtype = policy.config.params_dtype
+    weights = {name: (shape, dtype) for name, shape in source.hf_shapes().items()}
+    return GeneratorProcessEngine(settings, weights, rope, leader=source.is_sender()), source
+
+
+def generator_settings(cfg: RunConfig, policy: TrainingEngine, record_routes: bool):
+    """The generator process's settings and the trainer's RoPE angles [positions, head dim]."""
+    import torch
+
+    from gspo_megatron.device import accelerator
+    from gspo_megatron.rollout.embedded.decoders import (
+        decoder_spec,
+        torch_decoder_math_unsupported,
+    )
+    from gspo_megatron.rollout.embedded.generator import GeneratorSettings
+
+    model = policy.unwrapped_chunks[0]
+    reason = torch_decoder_math_unsupported(model, policy.config)
+    if reason is not None:
+        raise ConfigError(
+            f"rollout.mode={cfg.rollout.mode}: the generator process cannot run this model "
+            f"({reason})"
+        )
+    model_config = policy.model_config
+    max_length = min(cfg.engine.max_sequence_length, model_config.max_position_embeddings)
+    settings = GeneratorSettings(
+        model=model_config,
+        spec=decoder_spec(model, policy.config, model_config.vocab_size),
+        max_batch_tokens=cfg.rollout.max_batch_tokens,
+        max_sequence_length=max_length,
+        record_routes=record_routes,
+        route_shape=(policy.config.num_layers, policy.config.moe_router_topk or 0),
+        partial=cfg.rollout.mode == "async",
+        seed=cfg.seed,
+        device=str(accelerator()) if torch.cuda.is_available() else "cpu",
+    )
+    return settings, model.rotary_pos_emb.get_emb(max_length)[:, 0, 0, :].cpu()
+
+
+def memory_share(rollout: RolloutSection) -> RolloutShare:
+    """A KV cache of rollout.max_batch_tokens slots while generating (freed before training)."""
+    return RolloutShare(kv_cache_tokens=rollout.max_batch_tokens)
+
+
+EMBEDDED = RolloutBackend(build=build, memory_share=memory_share, keeps_policy_weights=True)

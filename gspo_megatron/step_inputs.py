@@ -1,0 +1,330 @@
+"""What one RL step trains on (docs/ARCHITECTURE.md §3, steps 3-4), from a scored batch:
+
+  * group advantages (the loss's estimator, or algorithm.advantage);
+  * `TrainSample`s with their loss masks: DAPO's overlong filter, an episode's observations,
+    the tokens before a partial rollout's last weight swap; a response with no token is left out;
+  * old log-probs (the policy's forward, or the rollout's), the routes the forward recorded (R2)
+    and the expert-load metrics, the reference's log-probs for the KL term;
+  * the train/rollout mismatch metrics and TIS / MIS weights (algorithms/mismatch.py);
+  * with algorithm.advantage=gae, PPO's token advantages: the critic values the batch and GAE
+    runs over the trained tokens (algorithms/gae.py).
+
+It takes its settings explicitly (`StepInputSettings`) and the engines as objects (`forward`:
+gspo_megatron.megatron.training_engine.TrainingEngine, or the tests' fakes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from gspo_megatron.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    correct_mismatch,
+    explained_variance,
+    finalize_metrics,
+    gae,
+    kl_estimate,
+    masked_whiten,
+    overlong_filter_mask,
+    token_rewards,
+)
+from gspo_megatron.algorithms.losses import get_policy_loss
+from gspo_megatron.rollout.base import RolloutSample
+from gspo_megatron.spec.sample import TrainSample
+
+if TYPE_CHECKING:
+    from gspo_megatron.collector import RolloutBatch
+    from gspo_megatron.config import RunConfig
+
+
+@dataclass(frozen=True)
+class StepInputSettings:
+    """What the step's inputs depend on (`from_config`: the algorithm section and two keys)."""
+
+    advantage: str  # group_mean_std | group_mean | gae: the estimator, resolved
+    advantage_eps: float
+    overlong_filter: bool
+    partial_rollout_mask: bool
+    old_logprobs: str  # recompute | rollout
+    routing_replay: str  # off | r2 | r3
+    moe_route_metrics: bool
+    mismatch: str  # none | tis | mis
+    mismatch_level: str
+    mismatch_cap: float
+    mismatch_lower: float
+    mismatch_upper: float
+    gamma: float
+    lam: float
+    whiten_advantages: bool
+    kl_reward_coef: float
+    kl_estimator: str
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> StepInputSettings:
+        alg = cfg.algorithm
+        return cls(
+            advantage=alg.advantage or get_policy_loss(alg.loss).advantage_estimator,
+            advantage_eps=alg.advantage_eps,
+            overlong_filter=alg.overlong_filter,
+            partial_rollout_mask=cfg.rollout.partial_rollout_mask,
+            old_logprobs=alg.old_logprobs,
+            routing_replay=alg.routing_replay,
+            moe_route_metrics=cfg.logging.moe_route_metrics,
+            mismatch=alg.mismatch,
+            mismatch_level=alg.mismatch_level,
+            mismatch_cap=alg.mismatch_cap,
+            mismatch_lower=alg.mismatch_lower,
+            mismatch_upper=alg.mismatch_upper,
+            gamma=alg.gamma,
+            lam=alg.lam,
+            whiten_advantages=alg.whiten_advantages,
+            kl_reward_coef=alg.kl_reward_coef,
+            kl_estimator=alg.kl_estimator,
+        )
+
+
+class StepInputs:
+    """Builds a batch's training inputs with the policy (old log-probs, routes), the frozen
+    reference (KL) and PPO's critic (values), each optional but the policy."""
+
+    def __init__(self, settings: StepInputSettings, policy, *, reference=None, critic=None):
+        self.settings = settings
+        self.policy = policy
+        self.reference = reference
+        self.critic = critic
+
+    def add_advantages(self, batch: RolloutBatch) -> None:
+        """Group advantages [groups, G]; with GAE zeros here, and each token's own advantage
+        once the critic has valued the batch (`add_samples`)."""
+        s = self.settings
+        if s.advantage == "gae":
+            batch.advantages = torch.zeros_like(batch.rewards)
+            return
+        batch.advantages = ADVANTAGE_ESTIMATORS[s.advantage](batch.rewards, eps=s.advantage_eps)
+
+    def add_samples(self, batch: RolloutBatch) -> None:
+        """TrainSamples with old (and reference) log-probs, routes, masks and IS weights."""
+        s = self.settings
+        flat = batch.flat()
+        masks = self._masks(flat, batch)
+        # A response with no token (an aborted request) has no term in any loss: it is scored
+        # and counted, and left out of training.
+        samples = [
+            TrainSample(
+                prompt_ids=list(sample.prompt_ids),
+                response_ids=list(sample.response_ids),
+                advantage=adv,
+                rollout_logprobs=list(sample.logprobs),
+                loss_mask=mask,
+                routed_experts=sample.routed_experts if s.routing_replay == "r3" else None,
+            )
+            for sample, adv, mask in zip(
+                flat, batch.advantages.flatten().tolist(), masks, strict=True
+            )
+            if sample.response_ids
+        ]
+        batch.stats["response/empty_count"] = float(len(flat) - len(samples))
+        if not samples:
+            batch.samples = []
+            return
+        self._old_logprobs(samples, batch)
+        # The tokens with a rollout log-prob: all but an episode's observations.
+        sampled = [x.loss_mask for x in flat if x.response_ids]
+        batch.stats.update(_mismatch_stats(samples, sampled))
+        if s.mismatch != "none":
+            self._mismatch_weights(samples, sampled, batch)
+        if self.reference is not None:
+            # Routed like the policy's training forward, so that the KL term compares the two
+            # policies on the same experts (and is 0 while they are the same weights).
+            ref = self.reference.forward(samples, replay_routes=s.routing_replay != "off")
+            for x, lp in zip(samples, ref.logprobs, strict=True):
+                x.ref_logprobs = lp.tolist()
+        if self.critic is not None:
+            rewards = batch.rewards.flatten().tolist()
+            kept = [r for x, r in zip(flat, rewards, strict=True) if x.response_ids]
+            self._gae_advantages(samples, kept, batch)
+        batch.samples = samples
+
+    def _masks(self, flat: list[RolloutSample], batch: RolloutBatch) -> list[list[float] | None]:
+        """Each response's loss mask (None: every token trains)."""
+        masks: list[list[float] | None] = [None] * len(flat)
+        if self.settings.overlong_filter:
+            lengths = [len(x.response_ids) for x in flat]
+            response = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+            truncated = torch.tensor([x.finish_reason == "length" for x in flat])
+            kept = overlong_filter_mask(response, truncated)
+            # Rows of responses that keep every token stay None (all 1).
+            masks = [
+                row[:n].float().tolist() if cut else None
+                for row, cut, n in zip(kept, truncated.tolist(), lengths, strict=True)
+            ]
+        # An episode's observations are context, never trained on.
+        masks = [_mask_product(m, x.loss_mask) for x, m in zip(flat, masks, strict=True)]
+        if self.settings.partial_rollout_mask:
+            masks = [_mask_before_last_swap(x, m) for x, m in zip(flat, masks, strict=True)]
+            batch.stats["async/masked_tokens"] = float(
+                sum(v < max(x.versions()) for x in flat for v in x.versions())
+            )
+        return masks
+
+    def _old_logprobs(self, samples: list[TrainSample], batch: RolloutBatch) -> None:
+        """π_old (recomputed, or the rollout's), the routes and the expert-load metrics."""
+        s = self.settings
+        model = self.policy.model_config
+        recompute = s.old_logprobs == "recompute"
+        # Routes are recorded for R2, and for the route metrics when the forward runs anyway;
+        # the metrics never add an old-policy forward of their own (with rollout log-probs they
+        # come from the rollout's routes, under R3, or are not measured).
+        record = model.is_moe and (s.routing_replay == "r2" or (recompute and s.moe_route_metrics))
+        if recompute or record:
+            result = self.policy.forward(
+                samples, record_routes=record, replay_routes=s.routing_replay == "r3"
+            )
+            if recompute:
+                for x, lp in zip(samples, result.logprobs, strict=True):
+                    x.old_logprobs = lp.tolist()
+            if result.routes is not None:
+                batch.stats.update(_expert_load(result.routes, model.num_experts))
+                if s.routing_replay != "r3":
+                    for x, routes in zip(samples, result.routes, strict=True):
+                        x.routed_experts = routes
+        elif model.is_moe and s.moe_route_metrics and s.routing_replay == "r3":
+            routes = [x.routed_experts for x in samples]
+            batch.stats.update(_expert_load(routes, model.num_experts))
+        if not recompute:
+            for x in samples:
+                x.old_logprobs = list(x.rollout_logprobs)
+
+    def _gae_advantages(
+        self, samples: list[TrainSample], rewards: list[float], batch: RolloutBatch
+    ) -> None:
+        """PPO's advantages: the critic values every state, each sample's reward lands on its
+        last trained token (minus the per-token KL penalty), and GAE runs over the trained
+        tokens; the samples get token advantages, the values and the returns."""
+        s = self.settings
+        values = self.critic.forward(samples).values
+        lengths = [len(x.response_ids) for x in samples]
+        old_values, _ = _pad([v.tolist() for v in values])
+        mask, _ = _pad([x.loss_mask or [1.0] * n for x, n in zip(samples, lengths, strict=True)])
+        kl = None
+        if s.kl_reward_coef:
+            # pi_old (the policy that sampled) against the initial policy, per token
+            old_lp, _ = _pad([x.old_logprobs for x in samples])
+            ref_lp, _ = _pad([x.ref_logprobs for x in samples])
+            kl = kl_estimate(old_lp, ref_lp, s.kl_estimator)
+            batch.stats["reward/kl_penalty_mean"] = float(
+                s.kl_reward_coef * (kl * mask).sum() / mask.sum().clamp(min=1.0)
+            )
+        per_token = token_rewards(
+            torch.tensor(rewards, dtype=torch.float64), mask, kl, s.kl_reward_coef
+        )
+        advantages, returns = gae(per_token, old_values, mask, s.gamma, s.lam)
+        if s.whiten_advantages:
+            advantages = masked_whiten(advantages, mask)
+        for i, (x, n) in enumerate(zip(samples, lengths, strict=True)):
+            x.advantage = advantages[i, :n].tolist()
+            x.old_values = old_values[i, :n].tolist()
+            x.returns = returns[i, :n].tolist()
+        trained = mask != 0
+        count = max(int(trained.sum()), 1)
+        batch.stats.update(
+            {
+                "advantage/token_abs_mean": float(advantages.abs()[trained].sum() / count),
+                "critic/values_mean": float(old_values[trained].sum() / count),
+                "critic/returns_mean": float(returns[trained].sum() / count),
+                "critic/explained_variance": explained_variance(old_values, returns, mask),
+            }
+        )
+
+    def _mismatch_weights(
+        self, samples: list[TrainSample], sampled: list[list[int] | None], batch: RolloutBatch
+    ) -> None:
+        s = self.settings
+        rollout_lp, mask = _pad([x.rollout_logprobs for x in samples])
+        old_lp, _ = _pad([x.old_logprobs for x in samples])
+        if any(m is not None for m in sampled):
+            rows = [m or [1] * len(x.response_ids) for x, m in zip(samples, sampled, strict=True)]
+            mask &= _pad(rows)[0] != 0
+        correction = correct_mismatch(
+            rollout_lp,
+            mask,
+            old_logprobs=old_lp,
+            mode=s.mismatch,
+            level=s.mismatch_level,
+            cap=s.mismatch_cap,
+            lower=s.mismatch_lower,
+            upper=s.mismatch_upper,
+        )
+        weights = correction.is_weights
+        for i, x in enumerate(samples):
+            # Token level: [B, T]; sequence and geometric levels: one weight per sequence, [B].
+            x.is_weights = (
+                weights[i, : len(x.response_ids)].tolist()
+                if weights.dim() == 2
+                else float(weights[i])
+            )
+        for name, value in finalize_metrics(correction.metric_sums).items():
+            batch.stats[f"mismatch/{name}"] = value
+
+
+def _mask_before_last_swap(sample: RolloutSample, mask: list[float] | None) -> list[float] | None:
+    """`mask` with the tokens sampled before the response's last weight swap set to 0."""
+    versions = sample.versions()
+    if len(set(versions)) < 2:
+        return mask
+    last = max(versions)
+    mask = mask or [1.0] * len(versions)
+    return [m if v == last else 0.0 for m, v in zip(mask, versions, strict=True)]
+
+
+def _mask_product(a: list[float] | None, b: list[int] | None) -> list[float] | None:
+    if a is None or b is None:
+        return a if b is None else [float(x) for x in b]
+    return [x * y for x, y in zip(a, b, strict=True)]
+
+
+def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(r) for r in rows)
+    values = torch.zeros(len(rows), longest, dtype=torch.float64)
+    mask = torch.zeros(len(rows), longest, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        values[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
+        mask[i, : len(r)] = True
+    return values, mask
+
+
+def _mismatch_stats(
+    samples: Sequence[TrainSample], sampled: Sequence[list[int] | None]
+) -> dict[str, float]:
+    """Rollout-engine vs training-engine log-probs of the same tokens (old policy), over the
+    tokens the engine sampled (`sampled`: None for all; an episode's observations have no
+    rollout log-prob)."""
+    diffs = [
+        np.abs(np.asarray(s.rollout_logprobs) - np.asarray(s.old_logprobs))[
+            slice(None) if m is None else np.asarray(m) != 0
+        ]
+        for s, m in zip(samples, sampled, strict=True)
+        if s.old_logprobs is not None and s.rollout_logprobs is not None
+    ]
+    flat = np.concatenate(diffs) if diffs else np.zeros(0)
+    if not flat.size:
+        return {}
+    return {
+        "mismatch/logprob_abs_diff_mean": float(flat.mean()),
+        "mismatch/logprob_abs_diff_max": float(flat.max()),
+    }
+
+
+def _expert_load(routes: Sequence[np.ndarray], num_experts: int) -> dict[str, float]:
+    """Load imbalance: per layer, the busiest expert's share over the mean share (1 = balanced)."""
+    stacked = np.concatenate([r.reshape(r.shape[0], r.shape[1], -1) for r in routes], axis=0)
+    worst = 0.0
+    for layer in range(stacked.shape[1]):
+        counts = np.bincount(stacked[:, layer].reshape(-1), minlength=num_experts)
+        worst = max(worst, float(counts.max() / max(counts.mean(), 1e-9)))
+    return {"moe/max_expert_load_over_mean": worst}
