@@ -138,7 +138,8 @@ class Evaluation:
 
     def run(self, out_dir: Path) -> dict[str, dict[str, float]]:
         from gspo_megatron.evaluation.benchmarks import run_benchmark, write_records
-        from gspo_megatron.run_files import note, write_atomically
+        from gspo_megatron.files import write_atomically
+        from gspo_megatron.run_files import note
 
         r = self.cfg.rollout
         results: dict[str, dict[str, float]] = {}

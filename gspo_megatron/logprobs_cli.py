@@ -24,6 +24,7 @@ from pathlib import Path
 
 from gspo_megatron.checkpoint.mapping import ConversionError
 from gspo_megatron.checkpoint.meta import CheckpointError
+from gspo_megatron.files import replacing
 
 
 def read_sequences(path: str | Path, vocab_size: int | None = None) -> list[list[int]]:
@@ -187,11 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if dist.get_rank() == 0:
         out = Path(args.output)
-        tmp = out.with_name(out.name + ".tmp")
-        with open(tmp, "w") as f:
+        with replacing(out) as f:
             for lp in results:
                 f.write(json.dumps({"logprobs": lp}) + "\n")
-        tmp.replace(out)
         print(
             f"gspo-logprobs: {len(results)} sequences ({sum(len(r) for r in results)} tokens) "
             f"on {layout.describe()} in {time.perf_counter() - t0:.1f} s -> {out}",
