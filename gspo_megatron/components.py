@@ -90,7 +90,7 @@ def _warn_about_memory(cfg: RunConfig, model: ModelConfig, layout: ParallelLayou
     if not torch.cuda.is_available():
         return
     from gspo_megatron.memory_plan import PlanError, fit_warning
-    from gspo_megatron.run_files import note
+    from gspo_megatron.notes import note
 
     gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     try:
@@ -219,8 +219,8 @@ def build_rollout(cfg: RunConfig, policy, run_dir: Path):
     source it syncs from (None when it shares the policy's weights). It keeps what a resumed
     run must know in `run_dir` (SGLang: the servers' released memory, docs/SGLANG.md, "Server
     memory")."""
+    from gspo_megatron.notes import note
     from gspo_megatron.rollout.backends import RunContext, rollout_backend
-    from gspo_megatron.run_files import note
 
     run = RunContext(run_dir=Path(run_dir), announce=note)
     return rollout_backend(cfg.rollout.engine).build(cfg, policy, run)

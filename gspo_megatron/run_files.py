@@ -29,7 +29,6 @@ import contextlib
 import errno
 import fcntl
 import json
-import logging
 import os
 import shutil
 import socket
@@ -45,6 +44,7 @@ from gspo_megatron import files
 from gspo_megatron.checkpoint import manifest
 from gspo_megatron.checkpoint.meta import CheckpointError, step_of
 from gspo_megatron.config import ConfigError, RunConfig, to_dict
+from gspo_megatron.notes import note
 
 CONFIG_FILE = "run_config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -516,13 +516,3 @@ def _broadcast(value: Any) -> Any:
 def _agree(flag: bool) -> bool:
     """Rank 0's view of a file-system fact, shared so every rank takes the same branch."""
     return bool(_broadcast(flag))
-
-
-def note(message: str) -> None:
-    """A line for the user on rank 0 (above the progress bar), and in every rank's log."""
-    logging.getLogger("gspo_megatron").info(message)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    from tqdm import tqdm
-
-    tqdm.write(f"[gspo-megatron] {message}", file=sys.stderr)

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from gspo_megatron.collector import RolloutBatch, RolloutCollector, derive_seed
 from gspo_megatron.config import RunConfig
 from gspo_megatron.evaluation.benchmarks import Benchmark, run_benchmark
+from gspo_megatron.notes import note
 from gspo_megatron.optimizer_steps import run_optimizer_steps
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.base import RolloutEngine, RolloutUnavailableError, WeightSource
-from gspo_megatron.run_files import note
 from gspo_megatron.run_health import RunHealth
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.step_inputs import StepInputs, StepInputSettings

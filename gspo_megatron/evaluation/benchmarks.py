@@ -91,7 +91,7 @@ def build_benchmarks(
     """The enabled benchmarks of cfg.eval: the held-out prompts (`heldout`, None when the data
     has none), then each named benchmark's files. Errors name the benchmark's key."""
     from gspo_megatron.data.vocab import check_prompt_ids
-    from gspo_megatron.run_files import note
+    from gspo_megatron.notes import note
 
     stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     out = []
