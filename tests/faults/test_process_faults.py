@@ -84,23 +84,24 @@ def test_sigterm_under_torchrun_checkpoints_and_exits_zero(tmp_path):
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_other_rank_leaves_within_seconds_when_one_is_gone(tmp_path, fault):
     """kill -9 of rank 1: gloo sees its sockets close. SIGSTOP of rank 1 (a hang, or a node that
-    vanished): only the heartbeat watchdog notices, after trainer.peer_timeout_s."""
-    proc = start(tmp_path, "trainer.steps=500", "trainer.peer_timeout_s=5")
+    vanished): only the heartbeat watchdog notices, after trainer.peer_timeout_s. For the kill,
+    the watchdog waits 60 s, so leaving within 30 s (a margin for a loaded machine) is gloo's."""
+    peer_timeout_s = 60 if fault == "killed" else 5
+    proc = start(tmp_path, "trainer.steps=500", f"trainer.peer_timeout_s={peer_timeout_s}")
     wait_for_records(tmp_path, 2, proc)
     survivor = worker(proc, 0)
     victim = worker(proc, 1)
     victim.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     gone_at = time.monotonic()
     try:
-        survivor.wait(timeout=60)
+        survivor.wait(timeout=90)
     except psutil.TimeoutExpired:
-        pytest.fail(f"rank 0 still running 60 s after rank 1 was {fault}: {kill_tree(proc)}")
+        pytest.fail(f"rank 0 still running 90 s after rank 1 was {fault}: {kill_tree(proc)}")
     elapsed = time.monotonic() - gone_at
     out = kill_tree(proc)
-    assert elapsed < (5 if fault == "killed" else 15), elapsed
+    assert elapsed < (30 if fault == "killed" else 15), elapsed
     assert "gspo-train: rank 0: " in out, out[-3000:]
-    if fault == "hung":
-        assert "rank 1 sent no heartbeat" in out
+    assert ("rank 1 sent no heartbeat" in out) == (fault == "hung"), out[-3000:]
 
 
 @pytest.mark.parametrize("when", ["starting", "training"])
