@@ -24,7 +24,6 @@ import errno
 import os
 import queue
 import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from gspo_megatron import files
 from gspo_megatron.checkpoint import manifest
 from gspo_megatron.checkpoint.meta import (
     META_FILE,
@@ -92,12 +92,12 @@ def save_engine(
     extra: dict[str, Any] | None = None,
     with_optimizer: bool = True,
     companions: Mapping[str, Any] | None = None,
-    files: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save model (+ optimizer) and RNG state, then the metadata and the manifest. Collective.
 
     companions: name -> engine trained with this one (e.g. "critic"), each saved to
-    `path/name` with its own optimizer. files: name -> object (tensors and plain values) that
+    `path/name` with its own optimizer. extra_files: name -> object (tensors and plain values) that
     rank 0 saves under `path/name` with torch.save, in the manifest like the rest (the other
     ranks' values are ignored). A failure on any rank raises CheckpointError on every rank,
     naming the file and the reason (for storage errors, the OS's, e.g. "No space left on
@@ -108,7 +108,7 @@ def save_engine(
         raise CheckpointError(f"{final}: checkpoint directory already exists")
     companions = dict(companions or {})
     rank = dist.get_rank()
-    tmp = final.parent / _broadcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = final.parent / _broadcast(files.temporary_path(final).name)  # rank 0 names it
     try:
         _on_rank0("create the directory", lambda: tmp.mkdir(parents=True), tmp)
         _use_thread_results_queue()
@@ -135,7 +135,7 @@ def save_engine(
                 write_meta(tmp, _engine_meta(engine, with_optimizer, extra or {}))
                 for name, saved in companions.items():
                     write_meta(tmp / name, _engine_meta(saved, with_optimizer, {}))
-                for name, obj in (files or {}).items():
+                for name, obj in (extra_files or {}).items():
                     (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                     _save_durably(obj, tmp / name)
 
@@ -195,7 +195,7 @@ def _written_by(rank: int, root: Path) -> list[str]:
 
 def _publish(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
-    manifest.fsync_dir(final.parent)
+    files.fsync_dir(final.parent)
 
 
 def _save_durably(obj: Any, path: Path) -> None:
@@ -548,13 +548,8 @@ def remove_scratch(path: str | Path) -> None:
 
 
 def remove_incomplete(parent: str | Path) -> list[Path]:
-    """Delete leftovers of interrupted saves (`*.tmp-*` directories) under `parent`."""
-    removed = []
-    for child in Path(parent).glob("*.tmp-*"):
-        if child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
-            removed.append(child)
-    return removed
+    """Delete leftovers of interrupted saves (temporary directories) under `parent`."""
+    return files.remove_temporaries(parent)
 
 
 def load_reference_weights(chunks, path: str | Path) -> list[dict[str, torch.Tensor]]:

@@ -9,13 +9,15 @@ tokenizer files, loadable by transformers, SGLang or vLLM as they are.
   it: the buckets are split over the ranks in contiguous runs of about equal bytes, and each
   rank streams its run into shards of its own (`hf_io.ShardedSafetensorsWriter`, numbered
   globally). No rank holds more than one bucket of gathered weights.
-- **Atomic.** Everything is written to `hf.tmp-XXXX` inside the checkpoint, checked, then
-  renamed; its files are then added to the checkpoint's manifest (size, SHA-256). A kill leaves
-  a `hf.tmp-*` directory (or a renamed one the manifest does not list): not an export; the
-  resumed run removes it and exports that step again.
+- **Atomic.** Everything is written to `hf.tmp-…` inside the checkpoint (a name unique to
+  rank 0, `files.temporary_path`, shared by all), checked, then renamed; its files are then
+  added to the checkpoint's manifest (size, SHA-256). A kill leaves a `hf.tmp-*` directory (or a
+  renamed one the manifest does not list): not an export; the resumed run removes it and
+  exports that step again.
 - **Verified.** (1) Every rank reads back, through the HF loader's own path
-  (`loading.hf_regions`), the regions of the export that its model shards hold and compares them
-  with its live weights cast to the export's dtype: any difference names the HF tensor. (2) The
+  (`weight_loading.hf_regions`), the regions of the export that its model shards hold and
+  compares them with its live weights cast to the export's dtype: any difference names the HF
+  tensor. (2) The
   trainer's log-probs of a fixed probe batch (random tokens, `PROBE`) equal those of
   transformers' model loaded from the export (float32, on rank 0) within `TOLERANCE` for the
   trainer's dtype. A failed check keeps the export as `hf.failed/` with its record
@@ -34,7 +36,6 @@ import os
 import shutil
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,11 +53,11 @@ from gspo_megatron.checkpoint.hf_io import (
     split_shards,
     write_index,
 )
-from gspo_megatron.checkpoint.loading import hf_regions
-from gspo_megatron.checkpoint.logprobs_cli import score
-from gspo_megatron.checkpoint.verify import random_sequences, transformers_logprobs
 from gspo_megatron.config_fields import ConfigError
+from gspo_megatron.files import TEMPORARY_MARK, fsync_dir, temporary_path
+from gspo_megatron.megatron.verify import engine_logprobs, random_sequences, transformers_logprobs
 from gspo_megatron.megatron.weight_export import MegatronWeightSource
+from gspo_megatron.megatron.weight_loading import hf_regions
 
 EXPORT_DIR = "hf"
 FAILED_DIR = "hf.failed"
@@ -125,7 +126,7 @@ class HFExporter:
         problem = _broadcast(self._room_problem(checkpoint) if rank == 0 else None)
         if problem:
             return _not_written(step, problem)
-        tmp = checkpoint / _broadcast(f"{EXPORT_DIR}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp = _broadcast(temporary_path(checkpoint / EXPORT_DIR))  # one name, rank 0's
         timings: dict[str, float] = {}
         try:
             problem = _on_rank0(lambda: tmp.mkdir())
@@ -257,7 +258,7 @@ class HFExporter:
         tokens = random_sequences(
             self.model_config.vocab_size, PROBE["sequences"], self._probe_length(), PROBE["seed"]
         )
-        trainer = score(self.engine, tokens.tolist())  # collective
+        trainer = engine_logprobs(self.engine, tokens.tolist())  # collective
         out: dict[str, Any] | None = None
         if dist.get_rank() == 0:
             from transformers.utils import logging as hf_logging
@@ -354,7 +355,7 @@ class HFExporter:
         if dist.get_rank() == 0:
             listed = _export_listed(Path(checkpoint))
             for child in Path(checkpoint).iterdir():
-                partial = child.name.startswith(f"{EXPORT_DIR}.tmp-")
+                partial = child.name.startswith(f"{EXPORT_DIR}{TEMPORARY_MARK}")
                 unlisted = child.name in (EXPORT_DIR, FAILED_DIR) and not listed
                 if child.is_dir() and (partial or unlisted):
                     shutil.rmtree(child, ignore_errors=True)
@@ -398,7 +399,7 @@ def _rename_and_list(
         if (checkpoint / old).exists():
             shutil.rmtree(checkpoint / old)
     os.replace(tmp, final)
-    manifest.fsync_dir(checkpoint)
+    fsync_dir(checkpoint)
     manifest.add_entries(
         checkpoint,
         {f"{final.name}/{name}": d for name, d in digests.items()},

@@ -38,11 +38,11 @@ from layout_text import parse_layout
 
 from gspo_megatron.checkpoint import hf_io, manifest
 from gspo_megatron.checkpoint.hf_io import HFCheckpoint, read_hf_config
-from gspo_megatron.checkpoint.loading import load_weights
 from gspo_megatron.config_fields import ConfigError
 from gspo_megatron.megatron import parallel
 from gspo_megatron.megatron.hf_export import FAILED_DIR, HFExporter, check_exportable
 from gspo_megatron.megatron.training_engine import TrainingEngine
+from gspo_megatron.megatron.weight_loading import load_weights
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 CORRUPTED = "model.layers.1.mlp.experts.2.gate_proj.weight"

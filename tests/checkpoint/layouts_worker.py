@@ -26,9 +26,10 @@ cpu_compat.apply()  # before megatron-core is imported
 
 from layout_text import parse_layout
 
-from gspo_megatron.checkpoint import logprobs_cli
-from gspo_megatron.checkpoint.loading import read_model_config
+from gspo_megatron import logprobs_cli
+from gspo_megatron.checkpoint.reading import read_model_config
 from gspo_megatron.megatron import checkpointing, parallel
+from gspo_megatron.megatron.verify import engine_logprobs
 from gspo_megatron.spec.layout import ParallelLayout
 
 TOL = 1e-5
@@ -68,7 +69,7 @@ def score_layout(
 ) -> object:
     sequences = logprobs_cli.read_sequences(inputs)
     engine = logprobs_cli.build_scoring_engine(checkpoint, layout, max_sequence_length=64)
-    got = logprobs_cli.score(engine, sequences, batch_size=5)
+    got = engine_logprobs(engine, sequences, batch_size=5)
     emit(name, max_diff(got, expected), TOL)
     return engine
 
@@ -80,7 +81,7 @@ def single_process_checks(models: dict, scoring: dict) -> None:
     from te_spec_keys import te_only_extra_state, te_spec_tensor_shapes
     from torch.distributed.checkpoint import FileSystemReader
 
-    from gspo_megatron.checkpoint.loading import _local_sharded_tensors
+    from gspo_megatron.megatron.weight_loading import _local_sharded_tensors
 
     layout = ParallelLayout(world_size=1)
     expected = json.loads(Path(scoring["expected_moe"]).read_text())
@@ -92,21 +93,24 @@ def single_process_checks(models: dict, scoring: dict) -> None:
         for p in engine.unwrapped_chunks[0].parameters():
             p.zero_()
     checkpointing.load_engine(engine, models["mc_moe"], with_optimizer=False, restore_rng=False)
-    got = logprobs_cli.score(engine, logprobs_cli.read_sequences(scoring["in_moe"]))
+    got = engine_logprobs(engine, logprobs_cli.read_sequences(scoring["in_moe"]))
     emit("moe_logprobs_single_load_engine_strict", max_diff(got, expected), TOL)
 
     # The trainer's model.init_from entry points.
-    from gspo_megatron.checkpoint import load_engine_weights, load_hf_weights
+    from gspo_megatron.megatron.weight_loading import (
+        load_engine_hf_weights,
+        load_engine_weights,
+    )
 
     for name, load, path in (
-        ("init_from_hf_dir", load_hf_weights, models["hf_moe"]),
+        ("init_from_hf_dir", load_engine_hf_weights, models["hf_moe"]),
         ("init_from_megatron_dir", load_engine_weights, models["mc_moe"]),
     ):
         with torch.no_grad():
             for p in engine.unwrapped_chunks[0].parameters():
                 p.zero_()
         load(engine, path)
-        got = logprobs_cli.score(engine, logprobs_cli.read_sequences(scoring["in_moe"]))
+        got = engine_logprobs(engine, logprobs_cli.read_sequences(scoring["in_moe"]))
         emit(f"moe_logprobs_single_{name}", max_diff(got, expected), TOL)
 
     # Key set: checkpoint == local-spec model == TE spec (written down from megatron's source).

@@ -103,7 +103,7 @@ KILLS = [
     # resumed at 2: step_4 renamed into place, its export not begun
     "kill_after_publish=1",
     # resumed at 4 (its export is done first, the 1st); step 6's export, shards written
-    "kill_mid_export=2",
+    "kill_mid_hf_export=2",
 ]
 
 

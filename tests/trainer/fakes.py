@@ -866,13 +866,13 @@ class MemoryCheckpoints:
         self.saved: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
     def save(
-        self, engine: FakePolicy, step: int, state: dict[str, Any], companions, files=None
+        self, engine: FakePolicy, step: int, state: dict[str, Any], companions, extra_files=None
     ) -> int:
         weights = {"": engine.state_dict()}
         weights.update({name: e.state_dict() for name, e in companions.items()})
         # the files as a checkpoint holds them: torch.save, read back with weights_only
         stored = {}
-        for name, obj in (files or {}).items():
+        for name, obj in (extra_files or {}).items():
             buffer = io.BytesIO()
             torch.save(obj, buffer)
             stored[name] = buffer.getvalue()
