@@ -19,6 +19,9 @@ reads, imports no engine. What the code asks of a backend:
   keeps_policy_weights     it generates with the policy's own weights, so
                            trainer.offload_during_rollout leaves them; Trainer, memory_plan
   describe(cfg)            its line in the Slurm preflight's report (None: no line)
+  records_routes(cfg)      it reports the experts of every token it samples (R3, and the
+                           rollout-vs-trainer route flips); route_setting: what turns that on,
+                           named in config errors
 
 docs/ARCHITECTURE.md, "Adding a rollout engine", walks a new backend through.
 """
@@ -93,6 +96,10 @@ def _no_line(cfg: Any) -> str | None:
     return None
 
 
+def _routes_under_r3(cfg: Any) -> bool:
+    return cfg.algorithm.routing_replay == "r3"
+
+
 @dataclass(frozen=True)
 class RolloutBackend:
     """What the code asks of one rollout backend (see the module's docstring)."""
@@ -103,6 +110,8 @@ class RolloutBackend:
     check: Callable[[Any], None] = _no_check
     missing_inputs: Callable[[Any], list[str]] = _nothing_missing
     describe: Callable[[Any], str | None] = _no_line
+    records_routes: Callable[[Any], bool] = _routes_under_r3
+    route_setting: str = "algorithm.routing_replay=r3"
 
 
 def rollout_backend(name: str) -> RolloutBackend:

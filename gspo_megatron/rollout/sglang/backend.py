@@ -97,4 +97,6 @@ SGLANG = RolloutBackend(
     check=check,
     missing_inputs=missing_inputs,
     describe=describe,
+    records_routes=lambda cfg: cfg.rollout.sglang.return_routed_experts,
+    route_setting="rollout.sglang.return_routed_experts=true",
 )
