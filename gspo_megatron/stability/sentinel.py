@@ -5,8 +5,10 @@ its patience, the sentinel fires, and the trainer rolls back to the newest healt
 
 A signal's streak starts at the first step it is seen; baselines (exponential moving averages
 with weight 1/window) move only on steps with no signal, so a collapse never becomes the normal
-it is measured against. The state (baselines, streaks) is saved with every checkpoint, so a
-resumed or rolled-back run watches exactly as the uninterrupted one did.
+it is measured against. After a firing the sentinel holds until a step with no signal: a
+collapse that persists fires once (what matters with the sentinel off; on, the rollback
+replaces the state). The state (baselines, streaks, the hold) is saved with every checkpoint,
+so a resumed or rolled-back run watches exactly as the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class CollapseSentinel:
         self.baselines: dict[str, float] = {}
         # name -> [steps in a row, first step, what the latest step saw]
         self.streaks: dict[str, list] = {}
+        self.holding = False  # fired, and no step without a signal since
 
     # -- per step -----------------------------------------------------------------------------
 
@@ -63,6 +66,7 @@ class CollapseSentinel:
             self.streaks[name] = [count + 1, since, seen[name]]
         if not self.streaks:
             self._update_baselines(metrics)
+            self.holding = False
         out = {f"stability/{name}_ema": v for name, v in self.baselines.items()}
         out["stability/signals_active"] = float(len(self.streaks))
         fired = {
@@ -70,14 +74,11 @@ class CollapseSentinel:
             for name, (count, _, why) in self.streaks.items()
             if count >= self._patience(name)
         }
-        if not fired:
+        if not fired or self.holding:
             return out, None
-        firing = Firing(step, min(since for _, since, _ in self.streaks.values()), fired)
-        # What follows a firing starts from a clean slate: the checkpoint's state after a
-        # rollback, or (sentinel off) the run going on, reported once per episode.
-        self.streaks.clear()
+        self.holding = True
         out["stability/sentinel_fired"] = 1.0
-        return out, firing
+        return out, Firing(step, min(since for _, since, _ in self.streaks.values()), fired)
 
     def health(self) -> dict[str, Any]:
         """What a checkpoint saved now records: healthy when no signal is running."""
@@ -157,11 +158,13 @@ class CollapseSentinel:
         return {
             "baselines": dict(self.baselines),
             "streaks": {k: list(v) for k, v in self.streaks.items()},
+            "holding": self.holding,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.baselines = {k: float(v) for k, v in state.get("baselines", {}).items()}
         self.streaks = {k: list(v) for k, v in state.get("streaks", {}).items()}
+        self.holding = bool(state.get("holding", False))
 
 
 def _nonfinite(metrics: dict[str, float]) -> str | None:

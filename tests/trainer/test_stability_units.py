@@ -49,7 +49,13 @@ def test_each_signal_fires_after_its_patience_with_its_numbers():
             assert (firing is None) == (k < patience - 1), (name, k)
         assert list(firing.signals) == [name] and firing.since == 6 and firing.step == 5 + patience
         assert text in firing.signals[name], firing.signals[name]
-        assert out["stability/sentinel_fired"] == 1.0 and s.streaks == {}
+        assert out["stability/sentinel_fired"] == 1.0 and s.health()["suspect_since"] == 6
+        # a collapse that persists fires once; after a clean step, the next one fires again
+        for step in range(6 + patience, 16 + patience):
+            assert s.observe(step, healthy() | bad)[1] is None
+        assert s.observe(16 + patience, healthy())[1] is None and not s.holding
+        firings = [s.observe(17 + patience + k, healthy() | bad)[1] for k in range(patience)]
+        assert firings[-1] is not None and firings[-1].since == 17 + patience
 
 
 def test_signals_wait_for_the_warmup_but_non_finite_values_do_not():
