@@ -42,6 +42,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return {replay: read_metrics(root / replay) for replay in procs}
 
 
+@pytest.mark.slow
 def test_route_flips_are_zero_at_every_layer_under_r3_only(runs):
     layers = 2  # model tiny_moe
     for replay, records in runs.items():
