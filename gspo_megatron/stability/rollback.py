@@ -1,6 +1,6 @@
-"""Rollbacks (docs/STABILITY.md, "Rollbacks"): when the collapse sentinel fires, the run goes
-back to the newest healthy checkpoint saved before its signals started, applies the remedy, and
-goes on from there; a bounded number of times, then it stops loudly.
+"""Rollbacks (docs/STABILITY.md, "The collapse sentinel", "Firing"): when the sentinel fires,
+the run goes back to the newest healthy checkpoint saved before its signals started, applies the
+remedy, and goes on from there; a bounded number of times, then it stops loudly.
 
 The history is `rollbacks.json` in the run directory (kept by the checkpoint store,
 run_files.RunCheckpoints), written before anything moves: a rollback is recorded as started,
