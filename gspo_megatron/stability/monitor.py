@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gspo_megatron.config import RunConfig
-from gspo_megatron.run_files import note
+from gspo_megatron.notes import note
 from gspo_megatron.stability.budget import BudgetAction, MismatchBudget
 from gspo_megatron.stability.sentinel import CollapseSentinel, Firing
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gspo_megatron.config import SentinelSection
-from gspo_megatron.run_files import note
+from gspo_megatron.notes import note
 from gspo_megatron.stability.sentinel import Firing
 
 
