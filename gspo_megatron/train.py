@@ -14,7 +14,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_megatron import CONF_DIR
-from gspo_megatron.config import ConfigError, check_overrides, register_schema, resolve
+from gspo_megatron.config import (
+    ConfigError,
+    check_overrides,
+    help_text,
+    register_schema,
+    resolve,
+)
 from gspo_megatron.data.dataset import DataError
 from gspo_megatron.data.vocab import VocabMismatchError
 
@@ -57,16 +63,20 @@ def run(cfg: DictConfig) -> None:
 def run_composed(raw: dict, run_dir: Path) -> None:
     """Everything gspo-train does with a composed config: validate, build, train, close.
 
-    Exits (SystemExit) with one line on a bad config or a failed run.
+    Exits (SystemExit) with one line on a bad config or a failed run. The config and the run
+    directory are checked before megatron-core, transformers or the model are loaded.
     """
-    from gspo_megatron.checkpoint.mapping import ConversionError
-    from gspo_megatron.checkpoint.meta import CheckpointError
-
     try:
         run_cfg, model, layout = resolve(raw, int(os.environ.get("WORLD_SIZE", "1")))
         from gspo_megatron.run_files import check_run_directory
 
         check_run_directory(run_dir, run_cfg)
+    except ConfigError as err:
+        sys.exit(f"gspo-train: config error: {err}")
+    from gspo_megatron.checkpoint.mapping import ConversionError
+    from gspo_megatron.checkpoint.meta import CheckpointError
+
+    try:
         from gspo_megatron.components import build_trainer
         from gspo_megatron.megatron import cpu_compat
 
@@ -107,13 +117,31 @@ def fail(err: BaseException, *, traceback: bool = True, program: str = "gspo-tra
 
 
 def start(program: str, app) -> None:
-    """A console script: the schema, keys of earlier versions refused by name, Hydra's `app`."""
+    """A console script: the schema, keys of earlier versions refused by name, --help (see
+    config.help_text), Hydra's `app`."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     register_schema()
+    args = sys.argv[1:]
     try:
-        check_overrides(sys.argv[1:])
-    except ConfigError as err:
-        sys.exit(f"{program}: config error: {err}")
+        check_overrides(args)
+        if "--help" in args or "-h" in args:
+            print(help_text(program, [a for a in args if a not in ("--help", "-h")]))
+            return
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        sys.exit(f"{program}: config error: {_one_line(err)}")
     app()
+
+
+def _one_line(err: BaseException) -> str:
+    """Hydra's composition errors on one line: the message without the config search path,
+    and the first line of its cause (why a value did not merge)."""
+    text = str(err).split("Config search path:")[0]
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    if err.__cause__ is not None and str(err.__cause__).strip():
+        line += f": {str(err.__cause__).strip().splitlines()[0]}"
+    return line
 
 
 def main() -> None:
