@@ -1,7 +1,7 @@
 """Packed (THD) against padded micro-batches, side by side in one run (CPU, one process).
 
-    python benchmarks/bench_packing.py [--scenario both] [--steps 4] [--samples 64]
-        [--median 48] [--budget 8192]
+    python benchmarks/bench_packing.py [--scenario both] [--steps 4] [--short-steps 20]
+        [--samples 64] [--median 48] [--budget 8192]
 
 Two workloads (--scenario tail | short | both; both by default):
 
@@ -193,7 +193,10 @@ GOALS = {"tail": ">= 1.5x", "short": ">= 1.0x (within noise)"}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scenario", choices=["tail", "short", "both"], default="both")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="rounds of the tail scenario")
+    parser.add_argument(
+        "--short-steps", type=int, default=20, help="rounds of the short one (~0.2 s each)"
+    )
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--median", type=int, default=48)
     parser.add_argument("--budget", type=int, default=8192)
@@ -202,7 +205,7 @@ def main() -> None:
         dp_balance(args.median, args.budget)
         step_times("tail", args.steps, tail_workload(args.samples, args.median, args.budget))
     if args.scenario in ("short", "both"):
-        step_times("short", args.steps, short_workload())
+        step_times("short", args.short_steps, short_workload())
 
 
 if __name__ == "__main__":
