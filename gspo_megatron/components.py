@@ -18,6 +18,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     from gspo_megatron.peers import PeerWatchdog
     from gspo_megatron.ranks import ProcessGroupRanks
     from gspo_megatron.rewards.registry import build_scorer
+    from gspo_megatron.rollout.backends import rollout_backend
     from gspo_megatron.run_files import MetricsLogger, RunCheckpoints
     from gspo_megatron.trainer import Trainer
 
@@ -41,6 +42,9 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         cfg, tokenizer, eval_data, scorer, vocab_size=model.vocab_size, seed=cfg.seed
     )
     _warn_about_memory(cfg, model, layout)
+    # the rollout backend's files in the run directory (SGLang's memory record), before the
+    # model is built
+    rollout_backend(cfg.rollout.engine).check_run_dir(cfg, run_dir)
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
@@ -58,7 +62,7 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
         reward_model = RewardModel.load(
             cfg.reward.model_path, layout, cfg.engine, params_dtype=model.params_dtype
         )
-    rollout, weight_source = build_rollout(cfg, engine)
+    rollout, weight_source = build_rollout(cfg, engine, run_dir)
     ranks = ProcessGroupRanks()
     return Trainer(
         cfg,
@@ -210,9 +214,13 @@ def init_weights(engine, source: str) -> None:
     )
 
 
-def build_rollout(cfg: RunConfig, policy):
+def build_rollout(cfg: RunConfig, policy, run_dir: Path):
     """The rollout engine of rollout.engine's backend (rollout/backends.py) and the weight
-    source it syncs from (None when it shares the policy's weights)."""
-    from gspo_megatron.rollout.backends import rollout_backend
+    source it syncs from (None when it shares the policy's weights). It keeps what a resumed
+    run must know in `run_dir` (SGLang: the servers' released memory, docs/SGLANG.md, "Server
+    memory")."""
+    from gspo_megatron.rollout.backends import RunContext, rollout_backend
+    from gspo_megatron.run_files import note
 
-    return rollout_backend(cfg.rollout.engine).build(cfg, policy)
+    run = RunContext(run_dir=Path(run_dir), announce=note)
+    return rollout_backend(cfg.rollout.engine).build(cfg, policy, run)

@@ -66,7 +66,7 @@ def evaluate_composed(raw: dict, out_dir: Path) -> dict[str, dict[str, float]]:
         from gspo_megatron.megatron import cpu_compat
 
         cpu_compat.apply()  # before megatron-core is imported
-        evaluation = Evaluation(cfg, model, layout)
+        evaluation = Evaluation(cfg, model, layout, out_dir)
     except ConfigError as err:
         sys.exit(f"{PROGRAM}: config error: {err}")
     except (DataError, VocabMismatchError, CheckpointError, ConversionError) as err:
@@ -85,7 +85,9 @@ class Evaluation:
     """The parts gspo-eval runs: tokenizer, benchmarks, a frozen engine holding the checkpoint,
     and the rollout engine over it. Bad input is refused before the model is built."""
 
-    def __init__(self, cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
+    def __init__(
+        self, cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, out_dir: Path
+    ) -> None:
         from gspo_megatron.collector import RolloutCollector
         from gspo_megatron.components import build_rollout, init_weights, load_run_tokenizer
         from gspo_megatron.data.config import build_heldout_dataset
@@ -94,6 +96,7 @@ class Evaluation:
         from gspo_megatron.megatron import parallel
         from gspo_megatron.ranks import ProcessGroupRanks
         from gspo_megatron.rewards.registry import build_scorer
+        from gspo_megatron.rollout.backends import rollout_backend
         from gspo_megatron.run_files import note
 
         if cfg.rollout.mode != "sync":
@@ -118,13 +121,15 @@ class Evaluation:
         )
         if not self.benchmarks:
             raise ConfigError("nothing to evaluate: no benchmark has problems")
+        # gspo-eval keeps the rollout backend's files (SGLang's memory record) in out_dir
+        rollout_backend(cfg.rollout.engine).check_run_dir(cfg, out_dir)
         self.engine = self.collector = None
         parallel.initialize(layout, seed=cfg.seed)
         from gspo_megatron.megatron.training_engine import TrainingEngine
 
         self.engine = TrainingEngine(model, layout, cfg.engine, trainable=False)
         init_weights(self.engine, cfg.model.init_from)
-        rollout, source = build_rollout(cfg, self.engine)
+        rollout, source = build_rollout(cfg, self.engine, out_dir)
         self.ranks = ProcessGroupRanks()
         self.collector = RolloutCollector.for_run(
             cfg, rollout, weight_source=source, ranks=self.ranks, tokenizer=self.tokenizer

@@ -1,12 +1,12 @@
 """An asyncio event loop on a daemon thread, for synchronous callers of async clients (the
-reward scorer's workers, the SGLang client)."""
+reward scorer's workers, the SGLang client), and `gather_or_cancel`."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -38,3 +38,15 @@ class LoopThread:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+async def gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Like gather, but the first failure cancels the others before it propagates."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -6,6 +6,8 @@
     tensorboard/               the same metrics for TensorBoard
     checkpoints/step_NNNNNN/   engine checkpoints (gspo_megatron.megatron.checkpointing)
     checkpoints/superseded/    checkpoints moved aside: damaged ones, or newer than a resume point
+    sglang_memory.json         GPU memory the run's SGLang servers hold released (rank 0 writes
+                               it; gspo_megatron/rollout/sglang/memory.py)
 
 Nothing is ever deleted but the oldest intact checkpoints beyond `trainer.keep_last`, and
 leftovers of interrupted saves. Resume is all or nothing and loud: the newest checkpoint that

@@ -7,10 +7,14 @@ Each entry names the `RolloutBackend` that a backend's own module defines; it is
 the backend is first asked for (`rollout_backend`), so this module, which the configuration
 reads, imports no engine. What the code asks of a backend:
 
-  build(cfg, policy)       the engine (rollout/base.py: an InProcessRolloutEngine or a
+  build(cfg, policy, run)   the engine (rollout/base.py: an InProcessRolloutEngine or a
                            ServerRolloutEngine) over the policy's TrainingEngine, and the weight
                            source it syncs from (None when it shares the policy's weights);
+                           `run` (a RunContext): where it keeps files, how it tells the user;
                            components.build_rollout
+  check_run_dir(cfg, run_dir)
+                           its files in that directory, checked before the model is built (a
+                           damaged one is an error then, not after minutes of loading)
   check(cfg)               config-time checks of its settings and of the combinations it cannot
                            run, a ConfigError naming the keys; config.resolve
   missing_inputs(cfg)      what the run needs from outside that the config does not give
@@ -28,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gspo_megatron.config_fields import ConfigError
@@ -37,6 +42,18 @@ ROLLOUT_BACKENDS: dict[str, str] = {
     "embedded": "gspo_megatron.rollout.embedded.backend:EMBEDDED",
     "sglang": "gspo_megatron.rollout.sglang.backend:SGLANG",
 }
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the run gives a backend's engine besides its config and the policy.
+
+    run_dir: where it keeps what a resumed run must know (gspo-train: the run directory;
+    gspo-eval: its output directory). announce(line): a line for the user (gspo-train: on rank
+    0's stderr, above the progress bar, and in the log)."""
+
+    run_dir: Path
+    announce: Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -93,14 +110,19 @@ def _no_line(cfg: Any) -> str | None:
     return None
 
 
+def _no_files(cfg: Any, run_dir: Path) -> None:
+    """A backend that keeps nothing in the run directory."""
+
+
 @dataclass(frozen=True)
 class RolloutBackend:
     """What the code asks of one rollout backend (see the module's docstring)."""
 
-    build: Callable[[Any, Any], tuple[Any, Any]]
+    build: Callable[[Any, Any, RunContext], tuple[Any, Any]]
     memory_share: Callable[[Any], RolloutShare]
     keeps_policy_weights: bool
     check: Callable[[Any], None] = _no_check
+    check_run_dir: Callable[[Any, Path], None] = _no_files
     missing_inputs: Callable[[Any], list[str]] = _nothing_missing
     describe: Callable[[Any], str | None] = _no_line
 

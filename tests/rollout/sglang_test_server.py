@@ -9,6 +9,16 @@ parameter), the /generate JSON contract (`sglang.api.v1.api_types.GenerateReques
 broadcast. Weight updates follow the 0.5.23 session rules (tensor/distributed only between
 /begin_weight_update and /end_weight_update). Answers have the shapes sglang's handlers return.
 
+It also dies where SGLang 0.5.23's server dies (the table in docs/SGLANG.md, "What kills a
+server"): an exception that escapes the scheduler's event loop ends the whole server, and so does
+torch_memory_saver's exit on a double pause. Here that is `crash(reason)`: the reason goes to
+stderr and to `--crash-file` (one JSON line), and the process exits with CRASH_EXIT_CODE, so a
+client change that would kill a real server fails the tests. Modelled: a resume of a tag that is
+not released (KeyError), a release while a request runs (the idle assertion), a second release
+of a tag (memory saver: pause of a paused allocation), and the model running over released memory
+(memory saver: a generation, the one-token generation GET /health runs on an idle server, a
+weight update into released weights), an empty weight-update group name (an assertion).
+
 Generation is fake and deterministic (`fake_completion`, `fake_routed_experts`); the weight
 version is part of the hash, so new weights give new samples. Test-only endpoints under /_test/
 inject faults (500, slow, malformed JSON, a failing weight update) and expose the request log and
@@ -42,6 +52,7 @@ VOCAB_SIZE = 1000
 NUM_LAYERS = 2
 TOP_K = 2
 NUM_EXPERTS = 8
+CRASH_EXIT_CODE = 3  # the stand-in died where SGLang's server dies (see `crash` in build_app)
 
 
 # ---- deterministic fake model (shared with the tests) -----------------------------------------
@@ -108,10 +119,20 @@ class FakeServer:
     proc: subprocess.Popen
     port: int
     api_key: str | None = None
+    crash_file: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def crashes(self) -> list[dict]:
+        """Where it died as SGLang would have: [{"path", "reason"}] (empty while it lives)."""
+        return read_crashes(self.crash_file)
+
+    def assert_not_crashed(self) -> None:
+        if crashes := self.crashes():
+            raise AssertionError(f"the SGLang stand-in at {self.url} died as SGLang would: "
+                                 f"{crashes}")  # fmt: skip
 
     def _call(self, method: str, path: str, body: dict | None = None):
         data = None if body is None else json.dumps(body).encode()
@@ -147,13 +168,24 @@ class FakeServer:
         self._call("POST", "/_test/reset", {})
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        """Stop the process (a no-op if it has ended); an empty crash file goes too (reading it
+        afterwards still says nothing crashed)."""
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.crash_file is not None and not read_crashes(self.crash_file):
+            self.crash_file.unlink(missing_ok=True)
+
+
+def read_crashes(crash_file: Path | None) -> list[dict]:
+    """The crash records a stand-in wrote to `crash_file` (see `crash` in build_app)."""
+    if crash_file is None or not Path(crash_file).exists():
+        return []
+    return [json.loads(line) for line in Path(crash_file).read_text().splitlines() if line]
 
 
 def start_fake_server(
@@ -166,13 +198,22 @@ def start_fake_server(
     vocab_size: int = VOCAB_SIZE,
     timeout_s: float = 60.0,
     port: int = 0,
+    memory_saver: bool = True,
+    crash_file: Path | None = None,
     extra_args: Sequence[str] = (),
 ) -> FakeServer:
     """Start a test server process and wait for its READY line. The process shares this
     process's multiprocessing authkey, so CPU tensors passed by file descriptor (tensor mode on
-    CPU) can be received, like CUDA IPC handles between colocated processes on a GPU node."""
+    CPU) can be received, like CUDA IPC handles between colocated processes on a GPU node.
+    `memory_saver`: as launched with --enable-memory-saver (released memory is really gone);
+    `crash_file`: where it records dying as SGLang would (default: a new temporary file)."""
     import multiprocessing
+    import tempfile
 
+    if crash_file is None:
+        fd, name = tempfile.mkstemp(prefix="sglang-stand-in-", suffix=".crash")
+        os.close(fd)
+        crash_file = Path(name)
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -181,10 +222,13 @@ def start_fake_server(
         "--dp-size", str(dp_size),
         "--health-delay-s", str(health_delay_s),
         "--vocab-size", str(vocab_size),
+        "--crash-file", str(crash_file),
     ]  # fmt: skip
     cmd += list(extra_args)
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if memory_saver:
+        cmd.append("--enable-memory-saver")
     if api_key:
         cmd += ["--api-key", api_key]
     env = dict(os.environ, SGLANG_TEST_AUTHKEY=multiprocessing.current_process().authkey.hex())
@@ -195,7 +239,7 @@ def start_fake_server(
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if line.startswith("READY "):
-            return FakeServer(proc, int(line.split()[1]), api_key)
+            return FakeServer(proc, int(line.split()[1]), api_key, Path(crash_file))
         if not line and proc.poll() is not None:
             break
     proc.kill()
@@ -403,7 +447,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
     state = {
         "session": None,  # {"selector", "loaded"} while a weight-update session is open
         "version": "default",
-        "released": set(),
+        "released": set(),  # SGLang's offload_tags
         "paused": False,
         "groups": {},  # group_name -> list of per-rank ProcessGroups
         "weights": {},  # name -> tensor
@@ -412,10 +456,39 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         "inflight": set(),  # abort events of /generate requests in flight
         "generating": 0,  # /generate requests holding the model (SGLang's model_update_lock)
         "updating": 0,  # weight updates holding or waiting for it
+        "health_checks": 0,  # GET /health and /health_generate (not in the log)
     }
     unpaused = asyncio.Event()
     unpaused.set()
     model_lock = asyncio.Condition()
+
+    def crash(path, reason):
+        """Die as SGLang 0.5.23's server dies here: an exception escaping the scheduler's event
+        loop (run_scheduler_process logs it and SIGQUITs the server, which kills its process
+        tree) or torch_memory_saver's exit(1). The request never gets an answer."""
+        print(f"SGLang stand-in: SGLang's server exits here: {path}: {reason}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        if args.crash_file:
+            with open(args.crash_file, "a") as f:
+                f.write(json.dumps({"path": path, "reason": reason}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        os._exit(CRASH_EXIT_CODE)
+
+    def memory_gone():
+        """Tags whose GPU memory is really released: all of SGLang's offload_tags with
+        --enable-memory-saver (torch_memory_saver unmaps it), none without (a no-op)."""
+        return sorted(state["released"]) if args.enable_memory_saver else []
+
+    def model_runs(path):
+        """The model runs for `path`: over unmapped memory that is an illegal memory access
+        (CUDA error) in the scheduler."""
+        if gone := memory_gone():
+            crash(path, f"the model ran with {gone} released (a CUDA illegal memory access)")
+
+    def idle():
+        """Scheduler.is_fully_idle: no request running or queued in the scheduler."""
+        return state["generating"] == 0
 
     @contextlib.asynccontextmanager
     async def generating():
@@ -569,15 +642,23 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
     @routes.get("/health")
     @routes.get("/health_generate")
     async def health(request):
+        state["health_checks"] += 1
         if time.monotonic() < args.ready_at:
             return web.Response(status=503)
+        if idle():  # SGLang runs a one-token generation (it skips it while requests run)
+            model_runs(request.path)
         return web.Response(status=200)
 
     @routes.get("/server_info")
     async def server_info(request):
+        # startup_time: this process's start-up durations (SGLang: perf_counter), new per process;
+        # memory_usage: the sizes measured at start-up, whatever was released since.
+        internal = {"startup_time": args.startup_time, "memory_usage": {"weight": 1.0,
+                    "kvcache": 2.0, "graph": {"decode": 0.5}}}  # fmt: skip
         return json_response(
             {"tp_size": args.tp_size, "dp_size": args.dp_size, "pp_size": 1,
-             "model_path": "fake", "weight_version": state["version"], "version": args.release}
+             "model_path": "fake", "weight_version": state["version"], "version": args.release,
+             "startup_time": args.startup_time, "internal_states": [internal]}
         )  # fmt: skip
 
     @routes.get("/model_info")
@@ -613,13 +694,9 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
                 items.append((ids, sp, obj.return_logprob[i]))
         except (ValueError, TypeError) as e:
             return json_response({"error": {"message": str(e)}}, 400)
-        if "kv_cache" in state["released"] or "weights" in state["released"]:
-            return json_response(
-                {"error": {"message": f"generate while {sorted(state['released'])} released"}},
-                500,
-            )
         await unpaused.wait()
         async with generating():
+            model_runs("/generate")
             return json_response(await completions(obj, items, request["fault"]))
 
     async def completions(obj, items, fault):
@@ -694,6 +771,11 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             )  # fmt: skip
         return None
 
+    def load_into_weights(path):
+        """Loading writes the model's parameters: released ones are unmapped memory."""
+        if "weights" in memory_gone():
+            crash(path, "weights loaded into released memory (a CUDA illegal memory access)")
+
     def record(named, version):
         for name, t in named:
             state["weights"][name] = t.clone()
@@ -746,8 +828,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             return session_error("update_weights_from_tensor")
         if (failed := weight_fail(request)) is not None:
             return failed
-        if "weights" in state["released"]:
-            return json_response({"success": False, "message": "weights are released"}, 400)
+        load_into_weights("/update_weights_from_tensor")
         if len(obj.serialized_named_tensors) != args.tp_size:
             return json_response(
                 {"success": False, "message": f"expected {args.tp_size} payloads (one per TP "
@@ -785,6 +866,8 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             obj = validate(io_struct.InitWeightsUpdateGroupReqInput, request["json"])
         except pydantic.ValidationError as e:
             return bad_request(str(e))
+        if obj.group_name == "":  # an assert before WeightUpdater's try
+            crash("/init_weights_update_group", "AssertionError: Group name cannot be empty")
         import multiprocessing
 
         loop = asyncio.get_running_loop()
@@ -861,6 +944,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
                 f"{list(state['groups'])}. Please call `init_weights_update_group` first."
             )
             return json_response({"success": False, "message": msg}, 400)
+        load_into_weights("/update_weights_from_distributed")
         pg, workers = state["groups"][obj.group_name]
         meta = (obj.names, obj.dtypes, obj.shapes, obj.load_format)
         loop = asyncio.get_running_loop()
@@ -910,6 +994,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         except (OSError, ValueError, KeyError) as e:
             return json_response({"success": False, "message": f"Failed to get weights "
                                   f"iterator: {e}.", "num_paused_requests": 0}, 400)  # fmt: skip
+        load_into_weights("/update_weights_from_disk")
         record(named, obj.weight_version)
         msg = "Succeeded to update model weights." + (
             f" Weight version updated to {obj.weight_version}." if obj.weight_version else ""
@@ -925,7 +1010,15 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             obj = validate(io_struct.ReleaseMemoryOccupationReqInput, request["json"])
         except pydantic.ValidationError as e:
             return bad_request(str(e))
-        state["released"].update(tags_of(obj))
+        tags = tags_of(obj)
+        if not idle():  # SchedulerWeightUpdaterManager.release_memory_occupation
+            crash("/release_memory_occupation", "AssertionError: release_memory_occupation should "
+                  "be called only when server is idle.")  # fmt: skip
+        again = sorted(set(tags) & set(memory_gone()))
+        state["released"].update(tags)
+        if again:  # torch_memory_saver.pause of paused allocations: exit(1)
+            crash("/release_memory_occupation", f"torch_memory_saver: Cannot pause allocation "
+                  f"that is not active (tags {again} released already)")  # fmt: skip
         return json_response(None)
 
     @routes.post("/resume_memory_occupation")
@@ -935,13 +1028,15 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         except pydantic.ValidationError as e:
             return bad_request(str(e))
         for tag in tags_of(obj):
-            if tag not in state["released"]:  # sglang: offload_tags.remove(tag) -> KeyError
-                return json_response({"error": {"message": repr(tag)}}, 400)
+            if tag not in state["released"]:  # offload_tags is a set: remove raises
+                crash("/resume_memory_occupation", f"KeyError: {tag!r} (not released)")
             state["released"].remove(tag)
         return json_response(None)
 
     @routes.route("*", "/flush_cache")
     async def flush_cache(request):
+        if not idle():  # Scheduler.flush_cache refuses
+            return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. (When there are "
             "running or waiting requests, the operation will not be performed.)\n"
@@ -1008,7 +1103,8 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
     async def get_state(request):
         return json_response(
             {"session_open": state["session"] is not None, "version": state["version"],
-             "released": sorted(state["released"]), "paused": state["paused"],
+             "released": sorted(state["released"]), "memory_gone": memory_gone(),
+             "paused": state["paused"], "health_checks": state["health_checks"],
              "groups": list(state["groups"])}
         )  # fmt: skip
 
@@ -1109,14 +1205,21 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--release", default="0.5.23", help="the SGLang version /server_info reports")
     p.add_argument("--state-file", default=None, help="weights held, written at each update")
+    p.add_argument("--enable-memory-saver", action="store_true", help="released memory is gone")
+    p.add_argument("--crash-file", default=None, help="where it records dying as SGLang would")
     args, _ = p.parse_known_args()  # launch_command's other flags (model path, host, ...)
     args.ready_at = time.monotonic() + args.health_delay_s
     if key := os.environ.get("SGLANG_TEST_AUTHKEY"):
         multiprocessing.current_process().authkey = bytes.fromhex(key)
 
+    started = time.perf_counter()
+
     async def serve():
         runner = web.AppRunner(build_app(args), access_log=None)
         await runner.setup()
+        # As SGLang's /server_info reports it: this process's start-up durations.
+        args.startup_time = {"load_weight": time.perf_counter() - started,
+                             "tokenizer_e2e": time.perf_counter() - started}  # fmt: skip
         site = web.TCPSite(runner, "127.0.0.1", args.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]

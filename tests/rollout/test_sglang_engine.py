@@ -4,6 +4,8 @@ sync mode with the begin/end protocol, memory release, control calls, and failur
 
 import hashlib
 import importlib.util
+import json
+import re
 import signal
 import socket
 import threading
@@ -66,15 +68,23 @@ def slow_server():
 
 @pytest.fixture(autouse=True)
 def _reset(request):
-    for name in ("server", "server_b", "slow_server"):
-        if name in request.fixturenames:
-            request.getfixturevalue(name).reset()
+    used = [request.getfixturevalue(n) for n in ("server", "server_b", "slow_server")
+            if n in request.fixturenames]  # fmt: skip
+    for srv in used:
+        srv.reset()
+    yield
+    for srv in used:  # nothing the engine did would have killed a real SGLang server
+        srv.assert_not_crashed()
 
 
-def make_engine(urls, partial_rollouts: bool = False, **kw) -> SGLangEngine:
+def make_engine(urls, partial_rollouts: bool = False, engine_kw=None, **kw) -> SGLangEngine:
+    """An engine attached to `urls`; `engine_kw`: SGLangEngine's own keyword arguments
+    (memory_record, announce, status_interval_s)."""
     cfg = {"weight_sync": "tensor", **FAST, **kw}
     return SGLangEngine(
-        SGLangEngineConfig(urls=list(urls), **cfg), partial_rollouts=partial_rollouts
+        SGLangEngineConfig(urls=list(urls), **cfg),
+        partial_rollouts=partial_rollouts,
+        **(engine_kw or {}),
     )
 
 
@@ -120,10 +130,6 @@ class FakeSource:
                 .hexdigest()}
             for n, t in self.tensors
         }  # fmt: skip
-
-
-# An attached server's memory state is learned at first use (each tag resumed on its own).
-MEMORY_PROBE = ("/resume_memory_occupation",)
 
 
 def paths(srv) -> list[str]:
@@ -212,7 +218,7 @@ def test_tensor_sync_wraps_buckets_in_begin_end(server):
         eng.update_weights(src, version=1)
         after = eng.generate([[1, 2, 3]], 1, SamplingParams(max_new_tokens=4, seed=3))
     log = server.log()
-    seq = [e["path"] for e in log if e["path"] not in ("/server_info", *MEMORY_PROBE)]
+    seq = [e["path"] for e in log if e["path"] != "/server_info"]
     updates = [e for e in log if e["path"] == "/update_weights_from_tensor"]
     assert len(updates) >= 3  # several buckets
     assert seq == (
@@ -241,9 +247,7 @@ def test_distributed_sync_broadcasts_over_a_real_group(server, server_b):
         (g,) = eng.generate([[5]], 1, SamplingParams(max_new_tokens=2, seed=0))
         assert g[0].weight_version == 2
     for srv, offset in ((server, 1), (server_b, 3)):  # TP 2 then TP 1, after the trainer
-        log = [
-            e for e in srv.log() if e["path"] not in ("/server_info", "/generate", *MEMORY_PROBE)
-        ]
+        log = [e for e in srv.log() if e["path"] not in ("/server_info", "/generate")]
         init = next(e["body"] for e in log if e["path"] == "/init_weights_update_group")
         assert init["world_size"] == 4 and init["rank_offset"] == offset
         assert init["backend"] == "gloo"
@@ -403,17 +407,111 @@ def test_offload_releases_after_generate_and_resumes_when_needed(server):
 # ---- control calls ------------------------------------------------------------------------------
 
 
-def test_attaching_brings_back_released_memory_and_close_leaves_it_as_found(server):
-    # A previous run with offload_after_generate left the weights and KV cache released.
-    status, _ = _post_raw(server, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
-    assert status == 200
+def _recorded(record: Path, url: str) -> dict:
+    return json.loads(record.read_text())["servers"][url]
+
+
+def test_a_resumed_run_brings_back_what_the_last_one_left_released(server, tmp_path):
+    """close() leaves the memory as it is and the run directory's record says so; the next
+    engine with that record resumes exactly the released tags, when it needs them."""
+    record = tmp_path / "sglang_memory.json"
+    memory = {"offload_after_generate": True, "engine_kw": {"memory_record": record}}
+    one = [[1]], 1, SamplingParams(max_new_tokens=2, seed=0)
+    with make_engine([server.url], **memory) as eng:
+        eng.update_weights(FakeSource(seed=8), version=1)
+        eng.generate(*one)
+    assert server.state()["released"] == ["cuda_graph", "kv_cache", "weights"]
+    assert _recorded(record, server.url)["released"] == ["weights", "kv_cache", "cuda_graph"]
     src = FakeSource(seed=9)
-    with make_engine([server.url], weight_sync="tensor") as eng:
-        eng.update_weights(src, version=1)  # not into released memory
-        assert server.state()["released"] == []
-        eng.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2, seed=0))
-    assert server.weights() == src.expected()
-    assert server.state()["released"] == ["kv_cache", "weights"]
+    with make_engine([server.url], **memory) as eng:
+        eng.update_weights(src, version=2)  # into resumed weights only
+        assert server.state()["released"] == ["cuda_graph", "kv_cache"]
+        assert _recorded(record, server.url)["released"] == ["kv_cache", "cuda_graph"]
+        (g,) = eng.generate(*one)
+    assert g[0].weight_version == 2 and server.weights() == src.expected()
+    resumes = [e["body"]["tags"] for e in server.log() if e["path"] == "/resume_memory_occupation"]
+    assert resumes == [["weights"], ["kv_cache", "cuda_graph"]]
+
+
+def test_a_server_restarted_since_the_record_gets_no_resume(tmp_path):
+    """The record names the server process (/server_info startup_time): a new process at the URL
+    holds everything, and resuming any tag there would kill it (KeyError in SGLang)."""
+    record = tmp_path / "sglang_memory.json"
+    memory = {"offload_after_generate": True, "engine_kw": {"memory_record": record}}
+    srv = fake.start_fake_server(routed_experts=False)
+    back = None
+    try:
+        with make_engine([srv.url], **memory) as eng:
+            eng.generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
+        assert _recorded(record, srv.url)["released"] == ["weights", "kv_cache", "cuda_graph"]
+        srv.stop()
+        back = fake.start_fake_server(routed_experts=False, port=srv.port)
+        with make_engine([back.url], **memory) as eng:
+            eng.update_weights(FakeSource(seed=3, layers=1, experts=2), version=1)
+            eng.generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
+        back.assert_not_crashed()
+        assert "/resume_memory_occupation" not in paths(back)
+        assert back.state()["released"] == ["cuda_graph", "kv_cache", "weights"]  # released after
+    finally:
+        for s in (srv, back):
+            if s is not None:
+                s.stop()
+
+
+def test_a_memory_call_without_an_answer_leaves_the_server_unused_until_it_restarts(tmp_path):
+    """A release whose connection drops may or may not have happened: the server's memory is
+    unknown, so it gets nothing that could run its model (no generation, weight update or
+    GET /health) and no memory call, until a new process answers at its URL."""
+    record = tmp_path / "sglang_memory.json"
+    lines = []
+    srv = fake.start_fake_server(routed_experts=False)
+    back = None
+    one = [[1]], 1, SamplingParams(max_new_tokens=2, seed=0)
+    fast = {"health_check_interval_s": 0.2, "recovery_timeout_s": 30.0}
+    try:
+        eng = make_engine(
+            [srv.url], offload_after_generate=True, weight_sync="disk", disk_dir=str(tmp_path),
+            engine_kw={"memory_record": record, "announce": lines.append}, **fast,
+        )  # fmt: skip
+        src = FakeSource(seed=2, layers=1, experts=2)
+        with eng:
+            eng.update_weights(src, version=1)
+            srv.fault("/release_memory_occupation", "close")
+            eng.generate(*one)  # answered; the release after it never is
+            assert eng.pool.servers[srv.url].state is ServerState.SUSPECT
+            assert "memory state is unknown" in eng.pool.servers[srv.url].reason
+            assert _recorded(record, srv.url)["in_doubt"] == ["weights", "kv_cache", "cuda_graph"]
+            seen, health = len(srv.log()), srv.state()["health_checks"]
+            time.sleep(1.0)  # health checks go on: with GET /server_info only
+            assert {e["path"] for e in srv.log()[seen:]} == {"/server_info"}
+            assert srv.state()["health_checks"] == health
+            assert not eng.servers_to_resync()
+            srv.stop()
+            back = fake.start_fake_server(routed_experts=False, port=srv.port)
+            _wait_for(lambda: eng.servers_to_resync() == [srv.url])  # resident, launch weights
+            eng.update_weights(src, version=1, urls=[srv.url])
+            (g,) = eng.generate(*one)
+        assert g[0].weight_version == 1
+        assert _recorded(record, srv.url)["in_doubt"] == []
+        back.assert_not_crashed()
+        assert "/resume_memory_occupation" not in paths(back)
+    finally:
+        for s in (srv, back):
+            if s is not None:
+                s.stop()
+
+
+def test_release_memory_refuses_while_a_job_runs(slow_server):
+    """SGLang asserts the server is idle on a release (the server exits otherwise)."""
+    with make_engine([slow_server.url]) as eng:
+        job = eng.start_generate([[1, 2]], 1, SamplingParams(max_new_tokens=50, seed=0))
+        _wait_for(lambda: "/generate" in paths(slow_server))
+        with pytest.raises(RuntimeError, match="asserts the server is idle"):
+            eng.release_memory()
+        job.result(timeout=30)
+        eng.release_memory(["kv_cache"])
+        eng.resume_memory()
+    assert slow_server.state()["released"] == []
 
 
 def test_pause_resume_flush_health(server):
@@ -423,7 +521,7 @@ def test_pause_resume_flush_health(server):
         eng.resume()
         eng.flush_cache()
         assert eng.health()
-    log = server.log()
+    log = [e for e in server.log() if e["path"] != "/server_info"]
     assert [e["path"] for e in log] == ["/pause_generation", "/continue_generation", "/flush_cache"]
     assert log[0]["body"] == {"mode": "retract"}
 
@@ -625,8 +723,54 @@ def _closed_port() -> int:
 
 def test_attach_to_a_closed_port_fails_naming_the_url():
     url = f"http://127.0.0.1:{_closed_port()}"
-    with pytest.raises(SGLangError, match=f"{url} did not answer GET /health"):
+    with pytest.raises(SGLangError, match=f"{url} did not answer within 0.3 s"):
         make_engine([url], health_timeout_s=0.3)
+
+
+def _timed_lines() -> tuple[list[tuple[float, str]], object]:
+    t0, lines = time.monotonic(), []
+    return lines, lambda line: lines.append((time.monotonic() - t0, line))
+
+
+def test_the_start_up_wait_says_what_it_waits_for_at_once_then_every_interval():
+    url = f"http://127.0.0.1:{_closed_port()}"
+    lines, announce = _timed_lines()
+    with pytest.raises(SGLangError, match="did not answer within 2.5 s"):
+        make_engine([url], health_timeout_s=2.5,
+                    engine_kw={"announce": announce, "status_interval_s": 1.0})  # fmt: skip
+    (t, first), *status = lines
+    assert t < 1.0  # at once
+    assert first.startswith(f"waiting for SGLang servers to answer: {url} (attached): no ")
+    assert re.search(r"until \d\d:\d\d:\d\d \(rollout.sglang.health_timeout_s=2.5\)$", first)
+    assert 1 <= len(status) <= 3 and all("still waiting for SGLang servers after" in x
+                                         for _, x in status)  # fmt: skip
+
+
+def test_a_wait_for_a_server_that_can_generate_says_so_at_once_then_every_interval():
+    srv = fake.start_fake_server(routed_experts=False)
+    lines, announce = _timed_lines()
+    back = None
+    eng = make_engine(
+        [srv.url], health_check_interval_s=0.2, recovery_timeout_s=30.0,
+        engine_kw={"announce": announce, "status_interval_s": 1.0},
+    )  # fmt: skip
+    try:
+        srv.stop()
+        job = eng.start_generate([[1]], 1, SamplingParams(max_new_tokens=2, seed=0))
+        _wait_for(lambda: len(lines) >= 3)  # the first line and two status lines
+        back = fake.start_fake_server(routed_experts=False, port=srv.port)
+        job.result(timeout=30)
+    finally:
+        eng.close()
+        for s in (srv, back):
+            if s is not None:
+                s.stop()
+    (t0, first), (t1, second), (t2, _), *rest = lines
+    assert first.startswith(f"no SGLang server can generate: {srv.url}: suspect (")
+    assert "(rollout.sglang.recovery_timeout_s=30)" in first
+    assert second.startswith("still no SGLang server can generate after 1 s (until ")
+    assert 0.5 < t1 - t0 < 2.0 and 0.5 < t2 - t1 < 2.0
+    assert rest[-1][1].startswith(f"SGLang server {srv.url} can generate again after ")
 
 
 def test_server_that_dies_gives_a_connection_error():
@@ -647,9 +791,10 @@ def test_api_key_is_sent_and_required():
         with make_engine([srv.url], api_key="s3cret") as eng:  # waits for the late /health too
             assert eng.generate([[1]], 1, SamplingParams(max_new_tokens=1, seed=0))
             eng.flush_cache()
-        with make_engine([srv.url]) as eng, pytest.raises(SGLangHTTPError) as e:
-            eng.generate([[1]], 1, SamplingParams(max_new_tokens=1, seed=0))
+        with pytest.raises(SGLangHTTPError) as e:  # at once, not after health_timeout_s
+            make_engine([srv.url])
         assert e.value.status == 401 and "Unauthorized" in str(e.value)
+        assert "rollout.sglang.api_key" in str(e.value)
     finally:
         srv.stop()
 

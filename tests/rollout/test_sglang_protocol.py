@@ -214,6 +214,10 @@ def _proc_state(pid: int) -> str:
             {"return_routed_experts": True, "launch": [ServerLaunchConfig(model_path="m")]},
             "launch[0].enable_return_routed_experts",
         ),
+        # sglang-router health-checks its workers with GET /health: fatal on released memory
+        ({"offload_after_generate": True, "router_url": "http://r:1"}, "rollout.sglang.router_url"),
+        # SGLang asserts a non-empty name outside any try: the server would exit
+        ({"weight_sync": "distributed", "group_name": ""}, "rollout.sglang.group_name"),
     ],
 )
 def test_engine_config_errors_name_the_key(kwargs, fragment):

@@ -21,6 +21,7 @@ import concurrent.futures
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -758,7 +759,7 @@ class FakeGeneratorProcess(FakeRollout):
 # -- a rollout backend registered from the tests ---------------------------------------------
 
 
-def build_fake_server(cfg, policy):
+def build_fake_server(cfg, policy, run):
     """The fake server backend's engine: FakeGeneratorProcess (a ServerRolloutEngine) sampling
     from the policy's weights; no weight source (it reads the policy)."""
     record = cfg.algorithm.routing_replay == "r3"
@@ -907,10 +908,12 @@ def build_fake_run(
     checkpoints: MemoryCheckpoints | None = None,
     lr: float = 0.5,
     rollout_from_backend: bool = False,
+    run_dir: Path | None = None,
 ) -> FakeRun:
     """The trainer gspo-train builds (components.build_trainer), with fake engines and stores.
     The rollout engine is a fake one of the rollout.mode's kind, or with `rollout_from_backend`
-    the one rollout.engine's backend builds (components.build_rollout)."""
+    the one rollout.engine's backend builds (components.build_rollout, keeping its files in
+    `run_dir`)."""
     from gspo_megatron.data.config import build_datasets
     from gspo_megatron.evaluation.benchmarks import build_benchmarks
     from gspo_megatron.ranks import SingleRank
@@ -946,7 +949,8 @@ def build_fake_run(
     if rollout_from_backend:
         from gspo_megatron.components import build_rollout
 
-        rollout, source = build_rollout(cfg, policy)
+        assert run_dir is not None, "a backend's engine needs a run directory"
+        rollout, source = build_rollout(cfg, policy, run_dir)
     else:
         rollout = (FakeRollout if cfg.rollout.mode == "sync" else FakeGeneratorProcess)(
             policy, record_routes=cfg.algorithm.routing_replay == "r3", logprob_noise=logprob_noise

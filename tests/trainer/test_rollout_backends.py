@@ -25,11 +25,11 @@ def fake_server(monkeypatch):
     monkeypatch.setitem(ROLLOUT_BACKENDS, "fake_server", "trainer.fakes:FAKE_SERVER_BACKEND")
 
 
-def test_a_backend_registered_from_the_tests_trains(composer, tokenizer, fake_server):
+def test_a_backend_registered_from_the_tests_trains(composer, tokenizer, fake_server, tmp_path):
     cfg, model, layout = composer.resolve(
         "rollout.engine=fake_server", "trainer.offload_during_rollout=all", "trainer.steps=2"
     )
-    run = build_fake_run(cfg, model, layout, tokenizer, rollout_from_backend=True)
+    run = build_fake_run(cfg, model, layout, tokenizer, rollout_from_backend=True, run_dir=tmp_path)
     run.train()
     assert isinstance(run.rollout, FakeGeneratorProcess)  # a server engine, driven from rank 0
     assert len(run.journal.calls("generate")) == 2 and len(run.log.records) == 2

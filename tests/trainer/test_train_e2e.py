@@ -268,6 +268,7 @@ def _train_on(server, tmp_path: Path, *overrides: str) -> list[dict]:
             tmp_path / "run", *overrides, *SGLANG_FAULTS, f"+rollout.sglang.urls=[{server.url}]",
             f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
         )  # fmt: skip
+        server.assert_not_crashed()
         return server.log()
     finally:
         server.stop()
@@ -298,7 +299,8 @@ def test_sglang_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path)
     for i, dies in enumerate([["--exit-at", f"/generate:5:{tmp_path / 'died'}"], []]):
         python = fake.fake_interpreter(
             tmp_path, "--vocab-size", "48", "--state-file", str(tmp_path / f"held_{i}.json"),
-            "--generate-delay-s", "1", *dies, name=f"python_{i}",
+            "--generate-delay-s", "1", "--crash-file", str(tmp_path / f"crash_{i}"), *dies,
+            name=f"python_{i}",
         )  # fmt: skip
         launch.append(f"{{model_path:/nowhere,port:{free_port()},python:'{python}'}}")
     train(
@@ -310,6 +312,7 @@ def test_sglang_server_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path)
     )  # fmt: skip
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, 9))
+    assert fake.read_crashes(tmp_path / "crash_0") == fake.read_crashes(tmp_path / "crash_1") == []
     assert sum(r["rollout/server_restarts"] for r in records) == 1
     assert sum(r["rollout/requests_resubmitted"] for r in records) >= 1
     assert (tmp_path / "died").exists()
@@ -364,6 +367,8 @@ def test_sglang_fault_modes_through_gspo_train(tmp_path):
         for server in servers.values():
             server.proc.send_signal(signal.SIGCONT)
             server.stop()
+    for server in servers.values():  # whatever else went wrong, nothing a real server dies of
+        server.assert_not_crashed()
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     total = {k: sum(r[k] for r in records) for k in records[0] if k.startswith("rollout/")}
@@ -399,14 +404,151 @@ def test_sglang_servers_down_past_the_deadline_checkpoint_and_stop(tmp_path):
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("gspo-train: error: no SGLang server could generate for 3 s")
         assert f"{server.url}: suspect" in last
+        # the wait said at once what it waits for, until when, and which key sets it
+        waits = [x for x in proc.stderr.splitlines() if "no SGLang server can generate:" in x]
+        assert len(waits) == 1 and f"{server.url}: suspect" in waits[0], proc.stderr[-3000:]
+        assert "(rollout.sglang.recovery_timeout_s=3)" in waits[0]
         assert [r["step"] for r in metrics(run)] == [1, 2]
         assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000002"]
         server.proc.wait(timeout=10)
+        server.assert_not_crashed()  # it died of --exit-at, not of a request SGLang dies of
         server = fake.start_fake_server(routed_experts=False, vocab_size=48, port=server.port)
         train(run, *args)
+        server.assert_not_crashed()
     finally:
         server.stop()
     assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4]
+
+
+# SGLang servers attached to a run, in the memory state a previous run left them
+# (docs/SGLANG.md, "Server memory"): they must survive the run. Offloading releases their
+# memory after each generation (the stand-in starts with --enable-memory-saver).
+OFFLOAD = [*SGLANG_FAULTS, "+rollout.sglang.offload_after_generate=true",
+           "+rollout.sglang.recovery_timeout_s=20", "eval.every=0"]  # fmt: skip
+ALL_RELEASED = ["weights", "kv_cache", "cuda_graph"]
+
+
+def _memory_record(run: Path) -> dict[str, dict]:
+    return json.loads((run / "sglang_memory.json").read_text())["servers"]
+
+
+def _train_and_survive(servers, run: Path, *overrides: str, **kw) -> subprocess.CompletedProcess:
+    """gspo-train on `servers`; fails first, naming the reason, if one died as SGLang would."""
+    failure = None
+    try:
+        proc = train(run, *overrides, **kw)
+    except pytest.fail.Exception as e:
+        failure, proc = e, None
+    for server in servers:
+        server.assert_not_crashed()
+        assert server.proc.poll() is None, f"{server.url} exited"
+    if failure is not None:
+        raise failure
+    return proc
+
+
+def test_sglang_attached_servers_survive_gspo_train(tmp_path):
+    """Attached servers holding all their memory (the state every server starts in): the run
+    sends no memory call a server would die of (a /resume_memory_occupation of a resident tag
+    raises KeyError in SGLang's scheduler, which ends the server), and they still serve after,
+    left with their memory released as the record says."""
+    fake = _sglang_stand_in()
+    servers = [fake.start_fake_server(routed_experts=False, vocab_size=48) for _ in range(2)]
+    run = tmp_path / "run"
+    try:
+        _train_and_survive(
+            servers, run, "trainer.steps=2", *OFFLOAD,
+            f"+rollout.sglang.urls=[{','.join(s.url for s in servers)}]",
+            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}",
+        )  # fmt: skip
+        for server in servers:
+            assert "/generate" in [e["path"] for e in server.log()]
+            assert server.state()["released"] == sorted(ALL_RELEASED)
+            assert _memory_record(run)[server.url]["released"] == ALL_RELEASED
+    finally:
+        for server in servers:
+            server.stop()
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+
+
+def test_sglang_servers_left_released_by_a_killed_run_or_restarted_since(tmp_path):
+    """A run releasing its servers' memory after each generation is killed in step 2's training:
+    both servers hold everything released, as the run directory records. One is restarted
+    (a new process holds everything again), and a third server joins. The resumed run brings
+    back exactly what each one released, when it needs it (never a resident tag: that would
+    kill the server), completes, and leaves them as the last generation left them: released,
+    the record and a line saying so."""
+    fake = _sglang_stand_in()
+    run = tmp_path / "run"
+    servers = {name: fake.start_fake_server(routed_experts=False, vocab_size=48)
+               for name in ("released", "restarted")}  # fmt: skip
+    args = ["trainer.steps=3", "trainer.save_every=1", *OFFLOAD,
+            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}"]  # fmt: skip
+
+    def urls() -> str:
+        return f"+rollout.sglang.urls=[{','.join(s.url for s in servers.values())}]"
+
+    try:
+        # 4 optimizer steps per RL step: the 5th is in step 2, after its generation
+        _train_and_survive(servers.values(), run, *args, urls(), check=False,
+                           faults="kill_after_optimizer_step=5")  # fmt: skip
+        for server in servers.values():
+            assert server.state()["released"] == sorted(ALL_RELEASED)
+            assert _memory_record(run)[server.url]["released"] == ALL_RELEASED
+        old = servers["restarted"]
+        old.stop()
+        servers["restarted"] = fake.start_fake_server(routed_experts=False, vocab_size=48,
+                                                      port=old.port)  # fmt: skip
+        servers["new"] = fake.start_fake_server(routed_experts=False, vocab_size=48)
+        proc = _train_and_survive(servers.values(), run, *args, urls())
+        assert "resumed at step 1" in proc.stderr
+        left = [x for x in proc.stderr.splitlines() if "left with GPU memory released" in x]
+        assert len(left) == 1 and all(s.url in left[0] for s in servers.values())
+        record = _memory_record(run)
+        for server in servers.values():
+            assert server.state()["released"] == sorted(ALL_RELEASED)
+            assert record[server.url]["released"] == ALL_RELEASED
+            assert record[server.url]["in_doubt"] == []
+        logs = {name: [e["path"] for e in server.log()] for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+    # The released server: its weights back before the resumed run's first update.
+    released = logs["released"]
+    resumed = released.index("/resume_memory_occupation", released.index("/generate") + 1)
+    assert resumed < released.index("/update_weights_from_disk", resumed)
+    # The others held everything: nothing resumed before their first release.
+    for name in ("restarted", "new"):
+        paths = logs[name]
+        assert paths.index("/release_memory_occupation") < paths.index(
+            "/resume_memory_occupation"
+        ), name
+
+
+def test_sglang_servers_left_partly_released_by_a_killed_run(tmp_path):
+    """Killed while writing step 1's metrics, after the weight update: the server holds its
+    weights and has its KV cache and CUDA graphs released. The resumed run brings back only
+    those, before its first generation."""
+    fake = _sglang_stand_in()
+    run = tmp_path / "run"
+    server = fake.start_fake_server(routed_experts=False, vocab_size=48)
+    args = ["trainer.steps=2", *OFFLOAD, f"+rollout.sglang.urls=[{server.url}]",
+            f"+rollout.sglang.disk_dir={tmp_path / 'weights'}"]  # fmt: skip
+    try:
+        _train_and_survive([server], run, *args, check=False, faults="kill_mid_metrics=1")
+        assert server.state()["released"] == ["cuda_graph", "kv_cache"]
+        assert _memory_record(run)[server.url]["released"] == ["kv_cache", "cuda_graph"]
+        before = len(server.log())
+        _train_and_survive([server], run, *args)
+        log = server.log()[before:]  # the resumed run's requests
+    finally:
+        server.stop()
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    paths = [e["path"] for e in log]
+    first = paths.index("/resume_memory_occupation")
+    assert log[first]["body"]["tags"] == ["kv_cache", "cuda_graph"]
+    assert first < paths.index("/generate")
 
 
 def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
@@ -439,6 +581,7 @@ def test_sglang_rollouts_and_disk_weight_sync(tmp_path):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
         eval_paths = [entry["path"] for entry in server.log()[len(log) :]]
         eval_weights = server.weights()
+        server.assert_not_crashed()
     finally:
         server.stop()
     paths = [entry["path"] for entry in log]

@@ -10,14 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gspo_megatron.config_fields import ConfigError
-from gspo_megatron.rollout.backends import RolloutBackend, RolloutShare
+from gspo_megatron.rollout.backends import RolloutBackend, RolloutShare, RunContext
 
 if TYPE_CHECKING:
     from gspo_megatron.config import RolloutSection, RunConfig
     from gspo_megatron.megatron.training_engine import TrainingEngine
 
 
-def build(cfg: RunConfig, policy: TrainingEngine):
+def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
     """The engine over the policy, and the weight source of the generator process (None in
     process: it reads the policy's parameters)."""
     record_routes = cfg.algorithm.routing_replay == "r3"

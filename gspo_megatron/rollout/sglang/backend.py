@@ -6,10 +6,11 @@ Registered in rollout/backends.py; it imports the engine when it builds one.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gspo_megatron.config_fields import ConfigError
-from gspo_megatron.rollout.backends import RolloutBackend, RolloutShare
+from gspo_megatron.rollout.backends import RolloutBackend, RolloutShare, RunContext
 
 if TYPE_CHECKING:
     from gspo_megatron.config import RolloutSection, RunConfig
@@ -21,17 +22,31 @@ SGLANG_DEFAULT_MEM_FRACTION = 0.88
 OFFLOADED_SERVER_GIB = 2.0
 
 
-def build(cfg: RunConfig, policy: TrainingEngine):
+def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
     """The engine (rank 0, the weights' sender, launches and drives the servers:
-    rollout/driver.py) and the policy's weights as HF-named buckets."""
+    rollout/driver.py) and the policy's weights as HF-named buckets. The leader records the
+    servers' released memory in the run directory (docs/SGLANG.md, "Server memory")."""
     from gspo_megatron.megatron.weight_export import MegatronWeightSource
     from gspo_megatron.rollout.sglang.engine import SGLangEngine
+    from gspo_megatron.rollout.sglang.memory import RECORD_FILE
 
     source = MegatronWeightSource.from_engine(policy)
     engine = SGLangEngine(
-        cfg.rollout.sglang, leader=source.is_sender(), partial_rollouts=cfg.rollout.mode == "async"
+        cfg.rollout.sglang,
+        leader=source.is_sender(),
+        partial_rollouts=cfg.rollout.mode == "async",
+        memory_record=Path(run.run_dir) / RECORD_FILE,
+        announce=run.announce,
     )
     return engine, source
+
+
+def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
+    """A damaged memory record (rollout/sglang/memory.py) stops the run before the model is
+    built."""
+    from gspo_megatron.rollout.sglang.memory import RECORD_FILE, MemoryRecord
+
+    MemoryRecord(Path(run_dir) / RECORD_FILE).read()
 
 
 def check(cfg: RunConfig) -> None:
@@ -95,6 +110,7 @@ SGLANG = RolloutBackend(
     memory_share=memory_share,
     keeps_policy_weights=False,
     check=check,
+    check_run_dir=check_run_dir,
     missing_inputs=missing_inputs,
     describe=describe,
 )

@@ -134,6 +134,7 @@ class SGLangClient:
             total=timeout_s or self.request_timeout_s, sock_connect=self.connect_timeout_s
         )
         last_error: Exception | None = None
+        maybe_sent = False  # an attempt got a connection: the server may have acted on it
         for attempt in range(policy.max_retries + 1):
             if attempt:
                 await asyncio.sleep(policy.delay(attempt - 1))
@@ -152,6 +153,7 @@ class SGLangClient:
                     ) from e
                 except aiohttp.ClientConnectionError as e:
                     last_error = e
+                    maybe_sent |= not isinstance(e, aiohttp.ClientConnectorError)
                     logger.warning(
                         "%s %s failed (%s), attempt %d/%d",
                         method,
@@ -189,6 +191,7 @@ class SGLangClient:
             f"cannot reach SGLang server at {full}: {last_error} (gave up after "
             f"{policy.max_retries + 1} attempts; is the server running and the URL right?)",
             base,
+            request_sent=maybe_sent,
         ) from last_error
 
     async def get(self, url: str, path: str, **kw: Any) -> Any:
@@ -196,6 +199,20 @@ class SGLangClient:
 
     async def post(self, url: str, path: str, body: Any = None, **kw: Any) -> Any:
         return await self.request("POST", url, path, {} if body is None else body, **kw)
+
+    async def post_each(
+        self, path: str, bodies: dict[str, Any], timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """`path` once on each server of `bodies` with its body (no retries): its answer, or the
+        exception it raised."""
+        answers = await asyncio.gather(
+            *(
+                self.post(u, path, b, retry=NO_RETRY, timeout_s=timeout_s)
+                for u, b in bodies.items()
+            ),
+            return_exceptions=True,
+        )
+        return dict(zip(bodies, answers, strict=True))
 
     async def is_healthy(self, url: str, timeout_s: float = 5.0) -> bool:
         """GET /health answers 200 within `timeout_s` (no retries; any failure is False). Not

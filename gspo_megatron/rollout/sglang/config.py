@@ -56,7 +56,8 @@ class SGLangEngineConfig:
     launch: list[ServerLaunchConfig] = field(default_factory=list)
     router_url: str | None = None
     api_key: str | None = None
-    health_timeout_s: float = 900.0  # launch/attach: wait this long for GET /health == 200
+    # Start: wait this long for every server to answer (docs/SGLANG.md, "Server memory").
+    health_timeout_s: float = 900.0
     log_dir: str = "sglang_logs"  # launched servers' stdout/stderr
 
     # Generation.
@@ -119,6 +120,19 @@ class SGLangEngineConfig:
             raise bad("urls", "give server URLs to attach to, or servers to launch")
         if self.weight_sync == "disk" and not self.disk_dir:
             raise bad("disk_dir", "weight_sync=disk needs a directory the servers can read")
+        if not self.group_name:
+            raise bad(
+                "group_name",
+                "must not be empty (SGLang 0.5.23 asserts it, and a failed assertion there ends "
+                "the server)",
+            )
+        if self.offload_after_generate and self.router_url:
+            raise bad(
+                "router_url",
+                "offload_after_generate cannot go with a router: sglang-router health-checks its "
+                "workers with GET /health, which runs a generation on a server whose memory is "
+                "released and kills it (SGLang 0.5.23); list the servers in urls instead",
+            )
         for i, lc in enumerate(self.launch):
             if self.offload_after_generate and not lc.enable_memory_saver:
                 raise bad(

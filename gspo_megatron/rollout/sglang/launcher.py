@@ -146,9 +146,10 @@ class SGLangServerProcess:
         """None while the process runs (or before it started), else why it stopped."""
         if self._proc is None or self._proc.poll() is None:
             return None
-        return f"exit code {self._proc.returncode}; {self._context()}"
+        return f"exit code {self._proc.returncode}; {self.context()}"
 
-    def _context(self) -> str:
+    def context(self) -> str:
+        """The command (API key redacted) and the last lines of its log."""
         tail = ""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()[-20:]
@@ -165,7 +166,7 @@ class SGLangServerProcess:
                 api_key=self.cfg.api_key,
                 poll_s=poll_s,
                 alive=self.exit_reason,
-                what=f"; {self._context()}",
+                what=f"; {self.context()}",
             )
         except SGLangError:
             self.stop()

@@ -46,7 +46,12 @@ class SGLangError(RuntimeError):
 
 
 class SGLangConnectionError(SGLangError):
-    """The server could not be reached (refused, reset, DNS) after all retries."""
+    """The server could not be reached (refused, reset, DNS) after all retries. `request_sent`
+    is False when no attempt got as far as a connection (the server cannot have acted on it)."""
+
+    def __init__(self, message: str, url: str | None = None, *, request_sent: bool = True) -> None:
+        super().__init__(message, url)
+        self.request_sent = request_sent
 
 
 class SGLangTimeoutError(SGLangError):

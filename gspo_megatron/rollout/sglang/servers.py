@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 from gspo_megatron.rollout.base import RolloutUnavailableError
 from gspo_megatron.rollout.sglang.client import SGLangClient
 from gspo_megatron.rollout.sglang.launcher import SGLangServerProcess
-from gspo_megatron.rollout.sglang.protocol import SGLangError
+from gspo_megatron.rollout.sglang.protocol import (
+    SGLangConnectionError,
+    SGLangError,
+    SGLangProtocolError,
+    SGLangTimeoutError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +65,13 @@ class HealthSettings:
 
 
 class ServerPool:
-    """The servers' states. `weights_current(url)` tells whether a server that answers again
-    holds the engine's current weights (asked of the server), `on_restart(url)` lets the engine
-    forget what it cached about a server."""
+    """The servers' states. `probe(url, timeout_s)` tells whether a server answers (without
+    running the model of one whose memory is released), `unusable(url)` why a server that
+    answers must still get nothing (its memory state is unknown) or None, `weights_current(url)`
+    whether a server that answers again holds the engine's current weights (asked of the
+    server), `on_restart(url)` lets the engine forget what it knew about a server. `announce`
+    prints a line for the user: a wait for a server to serve says so at once and every
+    `status_interval_s`."""
 
     COUNTERS = (
         "server_restarts",
@@ -78,19 +87,28 @@ class ServerPool:
         client: SGLangClient,
         settings: HealthSettings,
         *,
+        probe: Callable[[str, float], Awaitable[bool]],
+        unusable: Callable[[str], str | None],
         weights_current: Callable[[str], Awaitable[bool]],
         on_restart: Callable[[str], None],
+        announce: Callable[[str], None],
+        status_interval_s: float = 60.0,
     ) -> None:
         self.servers = {s.url: s for s in servers}
         self.client = client
         self.settings = settings
+        self._probe = probe
+        self._unusable = unusable
         self._weights_current = weights_current
         self._on_restart = on_restart
+        self._announce = announce
+        self._status_interval_s = status_interval_s
         self.counters = dict.fromkeys(self.COUNTERS, 0)
         self._changed: asyncio.Event | None = None
         self._monitor: asyncio.Task | None = None
         self._checking: dict[str, asyncio.Task] = {}
         self._restarting: set[str] = set()
+        self._waiting: _Wait | None = None  # no server can generate: since when, the status task
 
     # ---- states ------------------------------------------------------------------------------
 
@@ -143,17 +161,52 @@ class ServerPool:
                 self._check_soon(url)
             left = deadline - loop.time()
             if left <= 0:
+                self._stop_waiting()
                 raise ServersUnavailableError(
                     f"no SGLang server could generate for {self.settings.recovery_timeout_s:g} s "
                     f"(rollout.sglang.recovery_timeout_s): {self.describe()}",
                     next(iter(self.servers)),
                 )
+            self._start_waiting(left)
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     self._changed.wait(), timeout=min(left, self.settings.check_interval_s)
                 )
+        if self._waiting is not None:
+            waited = duration_text(time.monotonic() - self._waiting.since)
+            self._stop_waiting()
+            self._announce(f"SGLang server {', '.join(urls)} can generate again after {waited}")
         return self.client.pick(urls)
+
+    def _start_waiting(self, left_s: float) -> None:
+        """Say at once that generation waits, for what and until when; then every
+        status_interval_s how it stands."""
+        if self._waiting is not None:
+            return
+        key = f"rollout.sglang.recovery_timeout_s={self.settings.recovery_timeout_s:g}"
+        until = wall_clock(time.time() + left_s)
+        self._announce(
+            f"no SGLang server can generate: {self.describe()}; waiting for one until {until} "
+            f"({key}), checking every {self.settings.check_interval_s:g} s"
+        )
+        since = time.monotonic()
+
+        async def status() -> None:
+            while True:
+                await asyncio.sleep(self._status_interval_s)
+                self._announce(
+                    f"still no SGLang server can generate after "
+                    f"{duration_text(time.monotonic() - since)} (until {until}, {key}): "
+                    f"{self.describe()}"
+                )
+
+        self._waiting = _Wait(since, asyncio.ensure_future(status()))
+
+    def _stop_waiting(self) -> None:
+        if self._waiting is not None:
+            self._waiting.status.cancel()
+            self._waiting = None
 
     # ---- health checks and restarts ----------------------------------------------------------
 
@@ -179,8 +232,15 @@ class ServerPool:
         server = self.servers[url]
         timeout = max(0.5, min(5.0, self.settings.check_interval_s))
         exited = server.process is not None and server.process.exit_reason() is not None
-        healthy = not exited and await self.client.is_healthy(url, timeout_s=timeout)
+        healthy = not exited and await self._probe(url, timeout)
         state = server.state
+        if healthy and (why_not := self._unusable(url)) is not None:
+            if state is not ServerState.SUSPECT:
+                self.counters["server_failures"] += 1
+            self.set(url, ServerState.SUSPECT, why_not)
+            if server.process is not None:
+                await self.restart(url, why_not)
+            return
         if healthy:
             if state is ServerState.RESTARTING:
                 self.set(url, ServerState.STALE, "restarted with its launch weights")
@@ -237,6 +297,7 @@ class ServerPool:
         self.set(url, ServerState.RESTARTING, reason)
 
     async def close(self) -> None:
+        self._stop_waiting()
         tasks = [t for t in (self._monitor, *self._checking.values()) if t is not None]
         for t in tasks:
             t.cancel()
@@ -244,7 +305,101 @@ class ServerPool:
         self._monitor = None
         self._checking.clear()
 
+    # ---- weight updates ----------------------------------------------------------------------
+
+    async def updated(
+        self, targets: Sequence[str], failures: dict[str, SGLangError], version: int
+    ) -> None:
+        """After a weight update to `version` of `targets`: those that took it are healthy; one
+        that failed is suspect when unreachable or its memory state is unknown, else stale (it
+        answers but may hold partial weights) until a full update reaches it. On the pool's
+        event loop, as every move."""
+        now = time.monotonic()
+        for url in targets:
+            server = self.servers[url]
+            server.last_resync = now
+            if url not in failures:
+                server.resync_failures = 0
+                self.set(url, ServerState.HEALTHY, f"holds version {version}")
+                continue
+            error = failures[url]
+            server.resync_failures += 1
+            self.counters["weight_update_failures"] += 1
+            reason = f"weight update to version {version} failed: {error}"
+            unreachable = isinstance(error, (SGLangConnectionError, SGLangTimeoutError))
+            if unreachable or self._unusable(url):
+                self.failed(url, reason)
+            else:
+                self.set(url, ServerState.STALE, reason)
+
+    async def due_for_resync(self) -> list[str]:
+        """Stale servers that answer and are due for a full weight update (a failed one is
+        retried every check_interval_s). A launched server whose updates failed twice running
+        is restarted instead."""
+        now, out = time.monotonic(), []
+        for url in self.in_state(ServerState.STALE):
+            server = self.servers[url]
+            if server.process is not None and server.resync_failures >= 2:
+                await self.restart(url, "its weight updates keep failing")
+            elif not server.resync_failures or (
+                now - server.last_resync >= self.settings.check_interval_s
+            ):
+                out.append(url)
+        return out
+
     def take_counters(self) -> dict[str, int]:
         """The counts since the last call."""
         out, self.counters = self.counters, dict.fromkeys(self.COUNTERS, 0)
         return out
+
+
+class ServerInfos:
+    """What each server says of itself (GET /server_info: tp_size, dp_size, pp_size, version,
+    startup_time), asked once per server process: forgotten when it restarts."""
+
+    def __init__(self, client: SGLangClient) -> None:
+        self.client = client
+        self._infos: dict[str, dict] = {}
+
+    def known(self, url: str) -> bool:
+        return url in self._infos
+
+    def put(self, url: str, info: dict) -> None:
+        self._infos[url] = info
+
+    def forget(self, url: str) -> None:
+        self._infos.pop(url, None)
+
+    async def get(self, url: str) -> dict:
+        """The cached answer, or GET /server_info (with the client's retries)."""
+        if url not in self._infos:
+            info = await self.client.get(url, "/server_info")
+            if not isinstance(info, dict):
+                raise SGLangProtocolError(f"{url}/server_info is not a JSON object", url)
+            self._infos[url] = info
+        return self._infos[url]
+
+
+@dataclass
+class _Wait:
+    since: float  # time.monotonic()
+    status: asyncio.Future  # the task that says how the wait stands
+
+
+def wall_clock(epoch_s: float) -> str:
+    """A wall-clock time for the user: 14:03:27 (the date too when it is not today)."""
+    stamp = time.localtime(epoch_s)
+    today = time.localtime()
+    same_day = stamp[:3] == today[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M:%S", stamp)
+
+
+def duration_text(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
