@@ -6,15 +6,16 @@ step, as wall and CPU time of fresh processes, medians of --repeats.
 Each measurement starts `python -m gspo_megatron.train ...` as a new process (as the console
 script does), with this checkout on PYTHONPATH:
 
-1. `--help`: Hydra's help text.
-2. A config error (optimizer.lr=-1): the one-line message, which must come before torch,
-   megatron-core and transformers are imported.
+1. `--help`: the config groups and the composed config (config.help_text).
+2. A config error (optimizer.lr=-1): the one-line message, which comes before megatron-core
+   and transformers are imported (torch is: the loss registry the checks consult needs it).
 3. The first RL step of the default run (no evaluation, no progress bar, no TensorBoard):
    from the start of the process until metrics.jsonl holds the first step's record; the process
    is then stopped. Its CPU time is the process's until then.
 
 With --baseline, the same commands run against that checkout too, alternated with this one, and
-the table gives both and their ratio (another checkout: `git worktree add /tmp/base <commit>`).
+the table gives both and their ratio (another checkout: `git worktree add /tmp/base <commit>`,
+or without a worktree `mkdir /tmp/base && git archive <commit> | tar -x -C /tmp/base`).
 The import breakdown of one command: `python -X importtime -m gspo_megatron.train --help`.
 """
 
