@@ -55,7 +55,7 @@ def test_a_key_of_an_earlier_version_is_refused_by_name_before_hydra(tmp_path):
     "override, message",
     [
         ("bogus.key=1", "Could not override 'bogus.key'. To append to your config use +bogus"),
-        ("optimizer.lr=abc", "optimizer.lr=abc: Value 'abc' of type 'str' could not be converted"),
+        ("optimizer.lr=abc", "optimizer.lr=abc (Value 'abc' of type 'str' could not be converted"),
         ("algorithm=nope", "Could not find 'algorithm/nope' Available options in 'algorithm':"),
     ],
 )
