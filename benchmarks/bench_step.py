@@ -135,7 +135,7 @@ def run(args, overrides: list[str], run_dir: Path) -> tuple[list[dict], pstats.S
     )
     run_cfg, model, layout = resolve(raw, 1)
     total = run_cfg.trainer.steps
-    check_run_directory(run_dir, run_cfg)
+    lock = check_run_directory(run_dir, run_cfg)  # noqa: F841 - the run directory's, for the run
     trainer = build_trainer(run_cfg, model, layout, run_dir)
     clock = WorkClock()
     instrument(trainer, clock)
