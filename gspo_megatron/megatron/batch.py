@@ -33,8 +33,9 @@ class MicroBatch:
     """One micro-batch, already split for this CP rank.
 
     Model layout: tokens, position_ids, labels, has_label, routed_experts. Row layout: loss_mask,
-    advantages, old/ref log-probs, is_weights, old_values, returns. `row_index` maps the
-    flattened model layout to the row layout (None when both are the same, i.e. padded).
+    advantages, old/ref log-probs, is_weights, old_values, returns, version_lags. `row_index`
+    maps the flattened model layout to the row layout (None when both are the same, i.e.
+    padded).
     """
 
     indices: list[int]  # positions of the samples in the caller's list
@@ -54,6 +55,7 @@ class MicroBatch:
     old_values: torch.Tensor | None = None  # [b, s_row], the critic's
     returns: torch.Tensor | None = None  # [b, s_row]
     routed_experts: torch.Tensor | None = None  # model layout + [layers, top_k] int32
+    version_lags: torch.Tensor | None = None  # [b, s_row] float32 (whole numbers)
     # Packed without CP: how attention runs the sequences as padded rows (attention_buckets):
     # for each bucket of similar lengths, (rows, row length); `attention_index` lists, bucket
     # after bucket and row after row, the packed token of every slot (0 for the slots past a
@@ -327,6 +329,7 @@ def build_microbatch(
         old_values=to_rows(full["old_values"]),
         returns=to_rows(full["returns"]),
         routed_experts=to_model(full["routed_experts"]),
+        version_lags=to_rows(full["version_lags"]),
         attention_shapes=attention.shapes,
         attention_index=attention.index,
         attention_inverse=attention.inverse,
@@ -489,6 +492,7 @@ def _padded_rows(
         "old_values": optional("old_values"),
         "returns": optional("returns"),
         "routed_experts": _padded_routes(chosen, seq_len, row_starts),
+        "version_lags": optional("version_lags"),
     }
 
 

@@ -32,3 +32,10 @@ def test_another_experiment_is_refused_naming_the_keys(tmp_path):
     check_run_directory(tmp_path, run_config())
     with pytest.raises(ConfigError, match=r"different config \(.*algorithm\.loss\)"):
         check_run_directory(tmp_path, run_config("algorithm=grpo"))
+
+
+def test_the_sentinel_may_be_switched_on_a_resume_the_budget_not(tmp_path):
+    check_run_directory(tmp_path, run_config())
+    check_run_directory(tmp_path, run_config("stability.sentinel.enabled=false"))
+    with pytest.raises(ConfigError, match="stability.mismatch_budget.k3_kl"):
+        check_run_directory(tmp_path, run_config("stability.mismatch_budget.k3_kl=0.1"))
