@@ -318,7 +318,7 @@ _PATCHES = {
     "gspo_megatron.megatron.checkpointing": _patch_checkpointing,
     "gspo_megatron.rollout.embedded.generator": _patch_generator,
     "gspo_megatron.megatron.hf_export": _patch_export,
-    "gspo_megatron.rollout.weight_export": _patch_weight_export,
+    "gspo_megatron.megatron.weight_export": _patch_weight_export,
 }
 
 
