@@ -121,6 +121,8 @@ def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayo
         decay_steps=cfg.decay_steps,
         moe_aux_loss=cfg.algorithm.moe_aux_loss,
         moe_aux_loss_coef=cfg.algorithm.moe_aux_loss_coef,
+        lora=cfg.lora,
+        lora_seed=cfg.seed,
     )
     if cfg.model.init_from:
         init_weights(engine, cfg.model.init_from)

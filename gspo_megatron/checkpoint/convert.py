@@ -358,6 +358,11 @@ def convert_megatron_to_hf(
             cfg, base_config = read_hf_config(hf_config)
         elif is_checkpoint(src):
             cfg = model_config_from_meta(read_meta(src)["model"])
+        if is_checkpoint(src) and read_meta(src).get("lora"):
+            raise ConversionError(
+                f"{src} holds LoRA adapters: converting it would write the base weights without "
+                "them; the merged and PEFT exports are not built yet (docs/LORA.md)"
+            )
         else:
             raise ConversionError(
                 f"{src}: no {META_FILE}; pass --hf-config with the model's config.json"
