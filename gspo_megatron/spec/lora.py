@@ -1,5 +1,5 @@
 """LoRA adapters of the policy: the `lora` config section and the names of the layers it can
-adapt (gspo_megatron/megatron/lora.py builds them; docs/LORA.md).
+adapt (the megatron package builds them: its `lora` module; docs/LORA.md).
 
 A target is a megatron-core linear layer by its module name: the attention's fused q/k/v
 projection and output projection, the dense MLP's fc1 (gate and up, fused) and fc2 (down), and
@@ -34,7 +34,7 @@ class LoRASettings:
 
     rank: the adapters' rank r; null = full-parameter training (no adapters). alpha: the
     adapter's output is scaled by alpha / rank (PEFT's lora_alpha). dropout: on the adapter's
-    input (PEFT's lora_dropout). targets: layer names of `spec/lora.py` (attention.linear_qkv,
+    input (PEFT's lora_dropout). targets: the layers' names (attention.linear_qkv,
     attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2, experts.linear_fc1,
     experts.linear_fc2) or all-linear (every one the model has).
     """
