@@ -214,7 +214,8 @@ def lora_layer_spec(spec: ModuleSpec, lora: LoRASettings, targets: frozenset) ->
 
 
 def _with_submodules(builder: functools.partial, submodules) -> functools.partial:
-    return functools.partial(builder.func, *builder.args, **{**builder.keywords, "submodules": submodules})
+    keywords = {**builder.keywords, "submodules": submodules}
+    return functools.partial(builder.func, *builder.args, **keywords)
 
 
 def _mlp_submodules(submodules, owner: str, lora: LoRASettings, targets: frozenset):
@@ -235,7 +236,9 @@ def _adapted(layer, name: str, lora: LoRASettings, targets: frozenset, gated: bo
     ):
         if layer is base:
             return functools.partial(adapted, lora=lora, gated=gated)
-    raise ValueError(f"lora.targets entry {name!r}: LoRA adapts megatron's local layers, not {layer}")
+    raise ValueError(
+        f"lora.targets entry {name!r}: LoRA adapts megatron's local layers, not {layer}"
+    )
 
 
 def adapted_layers(chunks) -> Iterator[tuple[str, torch.nn.Module]]:

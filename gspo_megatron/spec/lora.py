@@ -76,8 +76,10 @@ def resolve_targets(targets: list[str], is_moe: bool, key: str = "lora.targets")
                 f"{[*ATTENTION_TARGETS, *DENSE_MLP_TARGETS, *EXPERT_TARGETS, ALL_LINEAR]}"
             )
         elif name not in have:
-            kind = "a Mixture-of-Experts model has experts, no dense MLP" if is_moe else (
-                "a dense model has a dense MLP, no experts"
+            kind = (
+                "a Mixture-of-Experts model has experts, no dense MLP"
+                if is_moe
+                else ("a dense model has a dense MLP, no experts")
             )
             raise ValueError(
                 f"{key} entry {name!r} matches nothing in the model ({kind}); its layers are "

@@ -234,9 +234,7 @@ def check_adapters(engine, initial, samples, reference, results: list) -> None:
     fresh = engine.forward(samples).logprobs
     results.append(("lora/fresh_adapter_vs_base_max_abs_diff", max_abs_diff(fresh, base), 0.0))
     restore(engine, initial)
-    adapters = {
-        id(p) for _, layer in adapted_layers(chunks) for p in (layer.lora_a, layer.lora_b)
-    }
+    adapters = {id(p) for _, layer in adapted_layers(chunks) for p in (layer.lora_a, layer.lora_b)}
     optimized = [p for group in engine.optimizer.param_groups for p in group["params"]]
     buffered = [p for m in engine.model for b in m.buffers + m.expert_parallel_buffers
                 for p in b.params]  # fmt: skip

@@ -234,10 +234,11 @@ def test_every_key_in_a_config_message_exists():
     raw = compose(["algorithm.mismatch=tis"])  # any valid config: the keys are the same
     package = Path(gspo_megatron.__file__).parent
     sources = ["config.py", "data/config.py", "rewards/registry.py", "envs/registry.py",
-               "spec/training.py", "spec/lora.py", "rollout/backends.py", "rollout/sglang/backend.py",
-               "rollout/sglang/config.py", "rollout/embedded/backend.py",
-               "memory_plan.py", "run_health.py", "components.py", "evaluation/config.py",
-               "evaluation/benchmarks.py", "evaluate.py"]  # fmt: skip
+               "spec/training.py", "spec/lora.py", "rollout/backends.py",
+               "rollout/sglang/backend.py", "rollout/sglang/config.py",
+               "rollout/embedded/backend.py", "memory_plan.py", "run_health.py",
+               "components.py", "evaluation/config.py", "evaluation/benchmarks.py",
+               "evaluate.py"]  # fmt: skip
     named = set()
     for source in sources:
         tree = ast.parse((package / source).read_text())
