@@ -743,11 +743,6 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
             f"model.init_from={cfg.model.init_from}: loading base weights under adapters is "
             "not built yet",
         ),
-        (
-            cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0,
-            "algorithm.kl_coef / kl_reward_coef > 0: the KL reference as the base model with "
-            "its adapters off is not built yet",
-        ),
     ]
     for refused, reason in not_yet:
         if refused:

@@ -315,3 +315,32 @@ def adapters_off(chunks) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.lora_on = True
+
+
+class BaseModelReference:
+    """The KL reference of a LoRA policy: the policy's own model with its adapters off, no
+    second copy. It is the initial policy for the whole run, resumed or not: the base weights
+    never train, and a fresh adapter (B = 0) adds exactly nothing.
+
+    What the trainer asks of a reference: `forward` (routing replay included; nothing is
+    recorded, so the policy's route metrics are untouched), `offload` / `reload` (nothing of
+    its own to move: its weights are the policy's, which move with the policy) and `close`.
+    """
+
+    def __init__(self, policy) -> None:
+        if policy.lora is None:
+            raise ValueError("BaseModelReference needs a policy with LoRA adapters")
+        self.policy = policy
+
+    def forward(self, samples, **kwargs):
+        with adapters_off(self.policy.unwrapped_chunks):
+            return self.policy.forward(samples, **kwargs)
+
+    def offload(self, what: str, *, keep_weights: bool) -> dict[str, float]:
+        return {}
+
+    def reload(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -98,12 +98,10 @@ def test_refused(overrides, message):
         (["lora.rank=8", "algorithm=ppo"], "lora.rank=8 with algorithm.advantage=gae"),
         (["lora.rank=8", "model.init_from=/nonexistent"],
          "lora.rank=8 with model.init_from=/nonexistent: loading base weights under adapters"),
-        (["lora.rank=8", "algorithm.kl_coef=0.01"],
-         "lora.rank=8 with algorithm.kl_coef / kl_reward_coef > 0"),
     ],
     ids=["rank-0", "rank-negative", "alpha-without-rank", "dense-target-on-moe",
          "expert-target-on-dense", "router", "unknown-target", "no-targets", "dropout", "te",
-         "sglang", "async", "ppo-critic", "init-from", "kl-reference"],
+         "sglang", "async", "ppo-critic", "init-from"],
 )  # fmt: skip
 def test_lora_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
