@@ -205,7 +205,7 @@ def init_weights(engine, source: str) -> None:
     """Initial weights from a gspo-megatron checkpoint or a Hugging Face directory."""
     from gspo_megatron.checkpoint import load_engine_weights
     from gspo_megatron.checkpoint.loading import read_model_config
-    from gspo_megatron.checkpoint.meta import architecture_difference, is_checkpoint
+    from gspo_megatron.checkpoint.meta import architecture_difference, is_checkpoint, read_meta
 
     path = Path(source)
     if is_checkpoint(path) or (path / "config.json").is_file():
@@ -213,6 +213,13 @@ def init_weights(engine, source: str) -> None:
         difference = architecture_difference(saved, engine.model_config)
         if difference:
             raise ConfigError(f"model.init_from={source}: {difference}")
+        lora = read_meta(path).get("lora") if is_checkpoint(path) else None
+        if lora:
+            raise ConfigError(
+                f"model.init_from={source} holds LoRA adapters (lora.rank={lora['rank']}): "
+                "starting or evaluating from a LoRA checkpoint is not built yet; its run resumes "
+                "with trainer.resume (docs/LORA.md)"
+            )
         load_engine_weights(engine, path)
         return
     raise ConfigError(

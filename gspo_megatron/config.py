@@ -738,11 +738,6 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
             cfg.algorithm.advantage == "gae",
             "algorithm.advantage=gae: PPO's critic with a LoRA policy is not built yet",
         ),
-        (
-            cfg.model.init_from is not None,
-            f"model.init_from={cfg.model.init_from}: loading base weights under adapters is "
-            "not built yet",
-        ),
     ]
     for refused, reason in not_yet:
         if refused:

@@ -187,6 +187,31 @@ class _WithoutHead:
         return self._chunk.load_state_dict(state, strict=False)
 
 
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b")  # megatron/lora.py's adapter parameters
+
+
+class _WithoutAdapters:
+    """A chunk with LoRA adapters as a loader of its base weights sees it: its sharded state
+    dict without the adapters (so nothing is read for them) and a non-strict load_state_dict
+    (so they keep their initialisation: B = 0, the base model exactly)."""
+
+    def __init__(self, chunk) -> None:
+        self._chunk = chunk
+
+    def sharded_state_dict(self) -> dict:
+        state = self._chunk.sharded_state_dict()
+        return {k: v for k, v in state.items() if not k.endswith(ADAPTER_SUFFIXES)}
+
+    def load_state_dict(self, state, strict: bool = False):
+        return self._chunk.load_state_dict(state, strict=False)
+
+
+def has_adapters(chunks) -> bool:
+    return any(
+        name.endswith(ADAPTER_SUFFIXES) for chunk in chunks for name, _ in chunk.named_parameters()
+    )
+
+
 def _local_sharded_tensors(node) -> Iterator:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -274,8 +299,12 @@ def load_weights(
 
     value_head: the chunks are a value / reward model's; head: "load" (the checkpoint must be
     a value model) or "init" (its transformer only; the head stays as built): see the module doc.
+    Chunks with LoRA adapters get the base weights, their adapters left as built; a checkpoint
+    that holds adapters is refused (megatron/checkpointing.py, load_model_weights).
     """
     path = Path(path)
+    if has_adapters(chunks):  # base weights under LoRA adapters: the adapters stay as built
+        chunks = [_WithoutAdapters(chunk) for chunk in chunks]
     if is_hf_dir(path):
         load_hf_weights(chunks, model_config, path, value_head=value_head, head=head)
         return {"hf_config": json.loads((path / "config.json").read_text())}

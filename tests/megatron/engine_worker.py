@@ -10,6 +10,10 @@ Modes (`--mode`), each printing JSON lines {"check", "value", "ok"} on rank 0:
                  too): resumed exactly; Adam's state holds the adapters' elements and no more
                  (summed over the data-parallel shards); the checkpoint refused by an engine
                  without adapters or with other ones, naming both.
+- lora-init-from: a LoRA engine starting from an HF directory and from a full-weight
+                 checkpoint gets their base weights and its fresh adapters: log-probs bitwise
+                 those of an engine without adapters loading the same; a LoRA checkpoint as
+                 initial weights refused.
 - save-layout:   train one Adam step on the current layout, save, record log-probs.
 - load-layout:   load that checkpoint on the current layout, compare log-probs.
 - nonfinite:     a non-finite gradient is skipped (weights untouched) or raises.
@@ -336,6 +340,40 @@ def mode_lora_resume(layout: ParallelLayout, workdir: Path) -> None:
         engine.close()
 
 
+def mode_lora_init_from(layout: ParallelLayout, workdir: Path) -> None:
+    from launch import hf_policy
+
+    from gspo_megatron.checkpoint import load_engine_weights
+
+    lora = LoRASettings(rank=4, alpha=8.0)
+    batch = samples()
+    hf = hf_policy(workdir / "hf") if dist.get_rank() == 0 else workdir / "hf"
+    dist.barrier()
+    full = engine_for(layout, optimizer=ADAM)
+    load_engine_weights(full, hf)
+    expected = full.forward(batch).logprobs
+    checkpointing.save_engine(full, workdir / "full_weights", with_optimizer=False)
+    engines = [full]
+    for name, source in (("hf", hf), ("checkpoint", workdir / "full_weights")):
+        adapted = engine_for(layout, optimizer=ADAM, lora=lora)
+        engines.append(adapted)
+        load_engine_weights(adapted, source)
+        got = adapted.forward(batch).logprobs
+        pairs = zip(got, expected, strict=True)
+        same = all((torch.as_tensor(a) == torch.as_tensor(b)).all() for a, b in pairs)
+        check(f"lora_init_from_{name}_bitwise_base", float(not same), same)
+    adapted.train_step(with_old(batch, got), LossSettings("gspo"))
+    checkpointing.save_engine(adapted, workdir / "lora_weights", with_optimizer=False)
+    again = engine_for(layout, optimizer=ADAM, lora=lora)
+    expect_error(
+        "lora_checkpoint_as_initial_weights",
+        lambda: load_engine_weights(again, workdir / "lora_weights"),
+        "holds LoRA adapters (lora.rank=4): loading its base weights alone would drop them",
+    )
+    for engine in (*engines, again):
+        engine.close()
+
+
 def engine_state(engine) -> list[torch.Tensor]:
     """Every weight and optimizer-state tensor of the engine, in a fixed order (copies)."""
     tensors = [p.detach().clone() for chunk in engine.unwrapped_chunks for p in chunk.parameters()]
@@ -530,6 +568,7 @@ def main() -> int:
         "replay": lambda: mode_replay(layout),
         "resume": lambda: mode_resume(layout, args.workdir),
         "lora-resume": lambda: mode_lora_resume(layout, args.workdir),
+        "lora-init-from": lambda: mode_lora_init_from(layout, args.workdir),
         "save-layout": lambda: mode_save_layout(layout, args.workdir),
         "load-layout": lambda: mode_load_layout(layout, args.workdir),
         "nonfinite": lambda: mode_nonfinite(layout),

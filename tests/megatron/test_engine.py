@@ -42,14 +42,14 @@ def assert_all_ok(results: list[dict], expected: set[str]) -> None:
 
 def test_single_process_checks(tmp_path):
     """One launch: in-schedule loss gradient == autograd through policy_loss (gspo, grpo,
-    gspo_token, ppo with an entropy bonus); routing replay; Adam resume, LoRA's too; non-finite
-    handling; bad input; offloading the state between steps (bitwise identical, storages freed,
-    saved while offloaded)."""
+    gspo_token, ppo with an entropy bonus); routing replay; Adam resume, LoRA's too; LoRA over
+    base weights from HF and from a checkpoint; non-finite handling; bad input; offloading the
+    state between steps (bitwise identical, storages freed, saved while offloaded)."""
     results = run_worker(
         WORKER,
         [
             "--mode",
-            "gradient,replay,resume,lora-resume,nonfinite,bad-input,offload",
+            "gradient,replay,resume,lora-resume,lora-init-from,nonfinite,bad-input,offload",
             "--workdir",
             str(tmp_path),
         ],
@@ -72,6 +72,9 @@ def test_single_process_checks(tmp_path):
             "error_empty_response",
             "error_other_architecture",
             *LORA_RESUME_CHECKS,
+            "lora_init_from_hf_bitwise_base",
+            "lora_init_from_checkpoint_bitwise_base",
+            "error_lora_checkpoint_as_initial_weights",
             *OFFLOAD_CHECKS,
         },
     )

@@ -96,12 +96,10 @@ def test_refused(overrides, message):
          "lora.rank=8 with rollout.engine=sglang: weight sync of adapters"),
         (["lora.rank=8", "rollout.mode=async"], "lora.rank=8 with rollout.mode=async"),
         (["lora.rank=8", "algorithm=ppo"], "lora.rank=8 with algorithm.advantage=gae"),
-        (["lora.rank=8", "model.init_from=/nonexistent"],
-         "lora.rank=8 with model.init_from=/nonexistent: loading base weights under adapters"),
     ],
     ids=["rank-0", "rank-negative", "alpha-without-rank", "dense-target-on-moe",
          "expert-target-on-dense", "router", "unknown-target", "no-targets", "dropout", "te",
-         "sglang", "async", "ppo-critic", "init-from"],
+         "sglang", "async", "ppo-critic"],
 )  # fmt: skip
 def test_lora_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
