@@ -34,6 +34,8 @@ def test_lora_run_with_kl_reference_resumes_exactly(tmp_path):
     # the adapters move the policy away from it after that.
     assert all(math.isfinite(r["actor/kl_ref"]) for r in records)
     assert records[-1]["actor/kl_ref"] > 0
+    # The rollouts are sampled with the adapters: their log-probs are the trainer's.
+    assert all(r["mismatch/logprob_abs_diff_max"] < 1e-4 for r in records)
     assert [r["actor/loss"] for r in read_metrics(resumed)] == [r["actor/loss"] for r in records]
     at_2 = checkpoint_tensors(straight / "checkpoints" / "step_000002")
     at_4 = checkpoint_tensors(straight / "checkpoints" / "step_000004")
