@@ -75,6 +75,8 @@ class _Adapter:
         self.lora_on = True
         # fc1 of a gated MLP: B's rows are [gate; up] on each rank, like the weight's
         self.lora_gated = gated and self.config.gated_linear_unit
+        # Where megatron put the weight (the host under use_cpu_initialization, or the
+        # accelerator); build_model_chunks then moves the chunk to device.accelerator().
         make = dict(dtype=weight.dtype, device=weight.device)
         self.lora_a = torch.nn.Parameter(torch.zeros(lora.rank, in_features, **make))
         self.lora_b = torch.nn.Parameter(torch.zeros(out_features, lora.rank, **make))
