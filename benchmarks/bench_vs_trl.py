@@ -371,8 +371,8 @@ def _engine_losses(hf_dir, prompts, completions, old_lp, advantages, info) -> di
     import torch
 
     from gspo_megatron.algorithms import policy_loss
-    from gspo_megatron.checkpoint import load_hf_weights
     from gspo_megatron.megatron import cpu_compat
+    from gspo_megatron.megatron.weight_loading import load_engine_hf_weights
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
@@ -395,7 +395,7 @@ def _engine_losses(hf_dir, prompts, completions, old_lp, advantages, info) -> di
             EngineSettings(max_sequence_length=64, max_tokens_per_microbatch=256),
             OptimizerSettings(lr=LR, weight_decay=0.0, clip_grad=1.0),
         )
-        load_hf_weights(engine, hf_dir)
+        load_engine_hf_weights(engine, hf_dir)
         samples = [
             TrainSample(
                 prompt_ids=list(p),

@@ -29,12 +29,12 @@ from gspo_megatron.algorithms import (
 )
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
+from gspo_megatron.notes import note
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.base import RolloutSample, SamplingParams, response_text
 from gspo_megatron.rollout.driver import RolloutDriver
 from gspo_megatron.rollout.episodes import EpisodeRunner, episode_rewards
 from gspo_megatron.rollout.pipeline import RolloutPipeline
-from gspo_megatron.run_files import note
 from gspo_megatron.spec.sample import TrainSample
 
 if TYPE_CHECKING:

@@ -95,7 +95,7 @@ def _warn_about_memory(cfg: RunConfig, model: ModelConfig, layout: ParallelLayou
     if not torch.cuda.is_available():
         return
     from gspo_megatron.memory_plan import PlanError, fit_warning
-    from gspo_megatron.run_files import note
+    from gspo_megatron.notes import note
 
     gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     try:
@@ -137,8 +137,8 @@ def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayo
 def check_reward_model(path: str, tokenizer) -> None:
     """reward.model_path before anything is built: a value model (one label) whose vocabulary
     holds every id of the run's tokenizer (it scores the policy's token ids as they are)."""
-    from gspo_megatron.checkpoint.loading import check_head, read_model_config
     from gspo_megatron.checkpoint.meta import CheckpointError
+    from gspo_megatron.checkpoint.reading import check_head, read_model_config
     from gspo_megatron.data.vocab import check_vocab
 
     try:
@@ -151,8 +151,8 @@ def check_reward_model(path: str, tokenizer) -> None:
 
 def check_value_model(path: str, model: ModelConfig, key: str) -> None:
     """A value model's checkpoint of the policy's architecture (the critic's init_from)."""
-    from gspo_megatron.checkpoint.loading import check_head, read_model_config
     from gspo_megatron.checkpoint.meta import CheckpointError, architecture_difference
+    from gspo_megatron.checkpoint.reading import check_head, read_model_config
 
     try:
         difference = architecture_difference(read_model_config(path).to_dict(), model)
@@ -171,9 +171,9 @@ def build_critic(cfg: RunConfig, policy, run_dir: Path):
     resume loads either) with a zero value head. On its own layout, the critic reads those from
     model.init_from, or from the policy's seeded weights saved to a scratch checkpoint in the
     run directory (removed after)."""
-    from gspo_megatron.checkpoint import load_engine_weights
     from gspo_megatron.megatron import checkpointing, parallel
     from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.megatron.weight_loading import load_engine_weights
 
     layout = cfg.critic_layout(policy.layout.world_size)
     groups = None if layout == policy.layout else parallel.LayoutGroups(layout, seed=cfg.seed)
@@ -203,9 +203,9 @@ def build_critic(cfg: RunConfig, policy, run_dir: Path):
 
 def init_weights(engine, source: str) -> None:
     """Initial weights from a gspo-megatron checkpoint or a Hugging Face directory."""
-    from gspo_megatron.checkpoint import load_engine_weights
-    from gspo_megatron.checkpoint.loading import read_model_config
     from gspo_megatron.checkpoint.meta import architecture_difference, is_checkpoint, read_meta
+    from gspo_megatron.checkpoint.reading import read_model_config
+    from gspo_megatron.megatron.weight_loading import load_engine_weights
 
     path = Path(source)
     if is_checkpoint(path) or (path / "config.json").is_file():
@@ -233,8 +233,8 @@ def build_rollout(cfg: RunConfig, policy, run_dir: Path):
     source it syncs from (None when it shares the policy's weights). It keeps what a resumed
     run must know in `run_dir` (SGLang: the servers' released memory, docs/SGLANG.md, "Server
     memory")."""
+    from gspo_megatron.notes import note
     from gspo_megatron.rollout.backends import RunContext, rollout_backend
-    from gspo_megatron.run_files import note
 
     run = RunContext(run_dir=Path(run_dir), announce=note)
     return rollout_backend(cfg.rollout.engine).build(cfg, policy, run)

@@ -94,10 +94,10 @@ class Evaluation:
         from gspo_megatron.data.vocab import check_vocab
         from gspo_megatron.evaluation.benchmarks import build_benchmarks
         from gspo_megatron.megatron import parallel
+        from gspo_megatron.notes import note
         from gspo_megatron.ranks import ProcessGroupRanks
         from gspo_megatron.rewards.registry import build_scorer
         from gspo_megatron.rollout.backends import rollout_backend
-        from gspo_megatron.run_files import note
 
         if cfg.rollout.mode != "sync":
             note(f"rollout.mode={cfg.rollout.mode} is for training; gspo-eval generates in sync")
@@ -138,7 +138,8 @@ class Evaluation:
 
     def run(self, out_dir: Path) -> dict[str, dict[str, float]]:
         from gspo_megatron.evaluation.benchmarks import run_benchmark, write_records
-        from gspo_megatron.run_files import note, write_atomically
+        from gspo_megatron.files import write_atomically
+        from gspo_megatron.notes import note
 
         r = self.cfg.rollout
         results: dict[str, dict[str, float]] = {}

@@ -604,7 +604,7 @@ def _reward_model_config(path: str | None, policy: ModelConfig) -> ModelConfig |
     """reward.model_path's architecture, in the policy's dtype (as gspo-train loads it)."""
     if not path:
         return None
-    from gspo_megatron.checkpoint.loading import read_model_config
+    from gspo_megatron.checkpoint.reading import read_model_config
 
     try:
         return read_model_config(path, params_dtype=policy.params_dtype)

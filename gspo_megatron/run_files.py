@@ -3,24 +3,35 @@
     run_config.json            the resolved configuration (a run directory holds one run)
     metrics.jsonl              one record per RL step, appended and flushed as each step ends
     metrics.superseded.jsonl   records moved aside on resume (steps after the resumed one)
+    run.lock                   held (flock) by the run's writer while it runs: who it is
     tensorboard/               the same metrics for TensorBoard
+    eval/step_NNNNNN/          per-problem records of each evaluation
     checkpoints/step_NNNNNN/   engine checkpoints (gspo_megatron.megatron.checkpointing)
     checkpoints/superseded/    checkpoints moved aside: damaged ones, or newer than a resume point
+    train.rankR.log            each rank's log (Hydra's job logging)
     sglang_memory.json         GPU memory the run's SGLang servers hold released (rank 0 writes
                                it; gspo_megatron/rollout/sglang/memory.py)
 
+Every file has one writer: rank 0 of the job (`files.launcher_rank`, known before the process
+group exists) for all but the per-rank logs and the checkpoints' per-rank data; whole files are
+replaced atomically through temporaries unique to their writer (gspo_megatron.files).
+docs/CHECKPOINTS.md ("Who writes what") lists every file.
+
 Nothing is ever deleted but the oldest intact checkpoints beyond `trainer.keep_last`, and
-leftovers of interrupted saves. Resume is all or nothing and loud: the newest checkpoint that
+leftovers of interrupted writes. Resume is all or nothing and loud: the newest checkpoint that
 every rank validated is loaded; if checkpoints exist and none loads, the run stops with the list
 of them and why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
-import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -29,15 +40,19 @@ from typing import Any
 
 import torch.distributed as dist
 
+from gspo_megatron import files
 from gspo_megatron.checkpoint import manifest
 from gspo_megatron.checkpoint.meta import CheckpointError, step_of
 from gspo_megatron.config import ConfigError, RunConfig, to_dict
+from gspo_megatron.notes import note
 
 CONFIG_FILE = "run_config.json"
 METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_METRICS_FILE = "metrics.superseded.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 SUPERSEDED_DIR = "superseded"
+EVAL_DIR = "eval"
+LOCK_FILE = "run.lock"
 # Keys that may change when a run is resumed (length, schedule of outputs, resume mode, memory
 # placement, where the rollout servers are).
 _RESUMABLE_CHANGES = {
@@ -72,10 +87,17 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted((step, p) for step, p in found if step is not None)
 
 
-def check_run_directory(run_dir: Path, cfg: RunConfig) -> None:
+def check_run_directory(run_dir: Path, cfg: RunConfig) -> RunLock | None:
     """Refuse a directory holding a run of another config (unless allowed), or checkpoints
-    when the config says not to resume; record our config."""
+    when the config says not to resume; record our config.
+
+    Every rank of a job calls this at start-up, before the process group exists; rank 0 alone
+    (`files.launcher_rank`) writes: it takes the run directory's lock (returned: keep it for
+    the run's life), removes what interrupted writers left, and writes run_config.json. Every
+    rank reads the same files, so every rank reaches the same verdict."""
+    writer = files.launcher_rank() == 0
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.take(run_dir) if writer else None
     mine = to_dict(cfg)
     existing = checkpoint_dirs(run_dir)
     if cfg.trainer.resume == "never" and existing:
@@ -97,10 +119,81 @@ def check_run_directory(run_dir: Path, cfg: RunConfig) -> None:
                 f"{run_dir} holds a run with a different config ({', '.join(differences[:5])}); "
                 "use a new output directory, or set trainer.allow_different_config=true"
             )
-    # One writer: rank 0 (the process groups do not exist yet here; torchrun sets RANK).
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        write_atomically(config_file, json.dumps(mine, indent=2, sort_keys=True))
+    if writer:
+        remove_leftovers(run_dir, every_writer_gone=lock.held)
+        try:
+            files.write_atomically(config_file, json.dumps(mine, indent=2, sort_keys=True))
+        except OSError as err:
+            raise RunFileError(f"{config_file}: could not be written ({_reason(err)})") from err
+    return lock
+
+
+def remove_leftovers(run_dir: Path, *, every_writer_gone: bool) -> list[Path]:
+    """Temporaries interrupted writers left (kill -9, a full disk) in the run directory, its
+    evaluation records and its checkpoints (interrupted saves). With `every_writer_gone` (the
+    run's lock is held) all of them; else those of writers on this host that are gone."""
+    gone = not every_writer_gone
+    removed = [
+        *files.remove_temporaries(run_dir, only_dead_writers=gone),
+        *files.remove_temporaries(run_dir / EVAL_DIR, recursive=True, only_dead_writers=gone),
+        *files.remove_temporaries(run_dir / CHECKPOINT_DIR, only_dead_writers=gone),
+    ]
+    if removed:
+        names = ", ".join(str(p.relative_to(run_dir)) for p in removed[:4])
+        more = f" and {len(removed) - 4} more" if len(removed) > 4 else ""
+        note(f"removed {len(removed)} leftover(s) of interrupted writes: {names}{more}")
+    return removed
+
+
+class RunLock:
+    """An exclusive lock (flock) on <run>/run.lock, held by the run's writer from start-up to
+    its exit: the kernel releases it when the process ends, kill -9 included. A second run in
+    the same directory is refused naming the holder. Where the filesystem has no locks (some
+    network mounts), that is said once and `held` is False."""
+
+    def __init__(self, path: Path, handle, held: bool) -> None:
+        self.path, self._handle, self.held = path, handle, held
+
+    @classmethod
+    def take(cls, run_dir: Path) -> RunLock:
+        path = run_dir / LOCK_FILE
+        try:
+            handle = open(path, "a+")  # noqa: SIM115 - open for the life of the run
+        except OSError as err:
+            raise RunFileError(f"{path}: could not be opened ({_reason(err)})") from err
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "holder unknown"
+            handle.close()
+            raise RunDirectoryInUse(
+                f"{run_dir} is in use by another run ({holder}): a run directory holds one "
+                "run at a time; wait for it to end (or stop it), or give this run another "
+                "hydra.run.dir"
+            ) from None
+        except OSError as err:
+            note(
+                f"warning: {path} cannot be locked ({_reason(err)}): a second run started in "
+                f"{run_dir} would not be refused"
+            )
+            return cls(path, handle, held=False)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        # The lock's inode must stay: its text is rewritten in place, not replaced. Only a
+        # refused run reads it, for its message.
+        with contextlib.suppress(OSError):
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {since}\n")
+            handle.flush()
+        return cls(path, handle, held=True)
+
+    def release(self) -> None:
+        self._handle.close()
+
+
+class RunDirectoryInUse(RunFileError):
+    """Another process holds the run directory's lock."""
 
 
 def _resumable(key: str) -> bool:
@@ -173,7 +266,11 @@ class RunCheckpoints:
     def _rotate(self, newest: int) -> None:
         older = [(s, p) for s, p in checkpoint_dirs(self.run_dir) if s <= newest]
         for step, path in older[: -self.keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            # Renamed before it is deleted: a kill in between leaves a temporary (removed at
+            # the next start), never a checkpoint with files missing under its name.
+            doomed = files.temporary_path(path)
+            os.replace(path, doomed)
+            files.remove(doomed)
             self._intact.pop(step, None)
 
     def _warn_if_low_space(self) -> None:
@@ -245,9 +342,9 @@ class RunCheckpoints:
             target_dir.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for path in paths:
-                moved = target_dir / f"{path.name}.{stamp}"
+                moved = _unused(target_dir / f"{path.name}.{stamp}")
                 os.replace(path, moved)
-                (moved / "SUPERSEDED.txt").write_text(reason + "\n")
+                files.write_atomically(moved / "SUPERSEDED.txt", reason + "\n")
                 note(f"moved {path.name} to {moved.relative_to(self.run_dir)}: {reason}")
         dist.barrier()
 
@@ -338,11 +435,14 @@ class MetricsLogger:
             (kept if ok else moved).append(line)
         if moved:
             side = self.path.with_name(SUPERSEDED_METRICS_FILE)
-            with side.open("a") as f:
-                f.write("".join(line + "\n" for line in moved))
-                f.flush()
-                os.fsync(f.fileno())
-            write_atomically(self.path, "".join(line + "\n" for line in kept))
+            try:
+                _append_lines_once(side, moved)
+                files.write_atomically(self.path, "".join(line + "\n" for line in kept))
+            except OSError as err:
+                raise RunFileError(
+                    f"{self.path}: could not move the records after step {step} aside "
+                    f"({_reason(err)})"
+                ) from err
             note(f"moved {len(moved)} metrics record(s) after step {step} to {side.name}")
         if self.bar is not None:
             self.bar.n = step
@@ -373,15 +473,34 @@ class MetricsLogger:
             self.bar.close()
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """`text` in a temporary file renamed into place: a kill leaves the old file or the new.
-    The temporary name is this process's, so that two writers never rename each other's."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+def _append_lines_once(path: Path, lines: list[str]) -> None:
+    """Append `lines` to `path`, durably, but not those it already holds: a rewind killed
+    after writing them (and before rewriting metrics.jsonl) moves the same records again. A
+    line cut short by a kill is ended first, so it cannot swallow the next record."""
+    held = path.read_bytes() if path.is_file() else b""
+    already = set(held.decode(errors="replace").splitlines())
+    new = [line for line in lines if line not in already]
+    if not new:
+        return
+    with path.open("a") as f:
+        if held and not held.endswith(b"\n"):
+            f.write("\n")
+        f.write("".join(line + "\n" for line in new))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def _unused(path: Path) -> Path:
+    """`path`, or `path.2`, `path.3`, ... : the first that does not exist."""
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
+
+
+def _reason(err: OSError) -> str:
+    return err.strerror or errno.errorcode.get(err.errno or 0, "") or str(err)
 
 
 def _plain(value: Any) -> Any:
@@ -401,13 +520,3 @@ def _broadcast(value: Any) -> Any:
 def _agree(flag: bool) -> bool:
     """Rank 0's view of a file-system fact, shared so every rank takes the same branch."""
     return bool(_broadcast(flag))
-
-
-def note(message: str) -> None:
-    """A line for the user on rank 0 (above the progress bar), and in every rank's log."""
-    logging.getLogger("gspo_megatron").info(message)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    from tqdm import tqdm
-
-    tqdm.write(f"[gspo-megatron] {message}", file=sys.stderr)

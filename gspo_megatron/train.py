@@ -61,12 +61,14 @@ def run_composed(raw: dict, run_dir: Path) -> None:
     """
     from gspo_megatron.checkpoint.mapping import ConversionError
     from gspo_megatron.checkpoint.meta import CheckpointError
+    from gspo_megatron.files import LaunchError
+    from gspo_megatron.run_files import RunFileError, check_run_directory
 
     try:
         run_cfg, model, layout = resolve(raw, int(os.environ.get("WORLD_SIZE", "1")))
-        from gspo_megatron.run_files import check_run_directory
-
-        check_run_directory(run_dir, run_cfg)
+        # Rank 0 takes the run directory (its lock, kept until this process ends) and writes
+        # run_config.json; every rank checks it. Before the process group exists.
+        lock = check_run_directory(run_dir, run_cfg)  # noqa: F841 - held for the run's life
         from gspo_megatron.components import build_trainer
         from gspo_megatron.megatron import cpu_compat
 
@@ -75,7 +77,9 @@ def run_composed(raw: dict, run_dir: Path) -> None:
         trainer = build_trainer(run_cfg, model, layout, run_dir)
     except ConfigError as err:
         sys.exit(f"gspo-train: config error: {err}")
-    except (DataError, VocabMismatchError, CheckpointError, ConversionError) as err:
+    except (
+        DataError, VocabMismatchError, CheckpointError, ConversionError, RunFileError, LaunchError
+    ) as err:  # fmt: skip
         fail(err, traceback=False)
     except Exception as err:  # noqa: BLE001 - one line here, the traceback in the run's log
         fail(err)
@@ -107,13 +111,69 @@ def fail(err: BaseException, *, traceback: bool = True, program: str = "gspo-tra
 
 
 def start(program: str, app) -> None:
-    """A console script: the schema, keys of earlier versions refused by name, Hydra's `app`."""
+    """A console script: the schema, keys of earlier versions refused by name, Hydra's `app`.
+
+    Errors in Hydra's own set-up come back as one line: a bad override or config group, or
+    the run directory or its log file that cannot be created (a full disk, a quota,
+    permissions), which Hydra would print as a traceback."""
+    from hydra.errors import HydraException
+
+    from gspo_megatron.torchrun import die_with_launcher
+
+    die_with_launcher()
     register_schema()
     try:
         check_overrides(sys.argv[1:])
     except ConfigError as err:
         sys.exit(f"{program}: config error: {err}")
-    app()
+    # Hydra raises what fails in its set-up instead of printing it (the run function itself
+    # never raises: it ends with one line and an exit status).
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    quiet_failure_noise()
+    try:
+        app()
+    except HydraException as err:
+        cause = f" ({_one_line(err.__cause__)})" if err.__cause__ else ""
+        sys.exit(f"{program}: config error: {_one_line(err)}{cause}")
+    except Exception as err:
+        reason = _os_error_in(err)
+        if reason is None:
+            raise
+        sys.exit(f"{program}: error: {_one_line(reason)}")
+
+
+def quiet_failure_noise() -> None:
+    """When a rank of the job is gone, the others leave with one line each; two libraries
+    would add to it on the user's terminal (this process's environment reaches its children):
+
+    - c10d's store client logs every failed call with its C++ stack (the job's store dies with
+      the launcher): torch's C++ warnings are off unless TORCH_CPP_LOG_LEVEL says otherwise;
+    - Python's resource tracker, cleaning up the semaphores of the rollout generator's queues
+      (rollout.mode=async) after rank 0 ended abruptly, warns that they "leaked": they are
+      unlinked, nothing is lost.
+    """
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    tracker = "ignore:resource_tracker:UserWarning"
+    filters = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
+    if tracker not in filters:
+        os.environ["PYTHONWARNINGS"] = ",".join([*filters, tracker])
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _os_error_in(err: BaseException) -> OSError | None:
+    """The OSError an exception is, or was raised from (logging's "Unable to configure
+    handler" wraps the log file's)."""
+    seen: set[int] = set()
+    node: BaseException | None = err
+    while node is not None and id(node) not in seen:
+        if isinstance(node, OSError):
+            return node
+        seen.add(id(node))
+        node = node.__cause__ or node.__context__
+    return None
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ resumes, and stops on signals.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -16,11 +18,11 @@ from collections.abc import Sequence
 from gspo_megatron.collector import RolloutBatch, RolloutCollector, derive_seed
 from gspo_megatron.config import RunConfig
 from gspo_megatron.evaluation.benchmarks import Benchmark, run_benchmark
+from gspo_megatron.notes import note
 from gspo_megatron.optimizer_steps import run_optimizer_steps
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.base import RolloutEngine, RolloutUnavailableError, WeightSource
-from gspo_megatron.run_files import note
 from gspo_megatron.run_health import RunHealth
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.step_inputs import StepInputs, StepInputSettings
@@ -92,6 +94,7 @@ class Trainer:
         self.health = RunHealth(cfg)
         self.step = 0
         self.stop_requested = False
+        self._stop_signal: str | None = None  # the signal that asked for it, not yet logged
         self._last_save = time.monotonic()
         self._replaced_handlers: dict[int, object] = {}
 
@@ -274,11 +277,22 @@ class Trainer:
 
     def _install_signal_handlers(self) -> dict[int, object]:
         """SIGTERM and SIGINT ask for a checkpoint and a stop after this step; returns the
-        handlers they replace."""
+        handlers they replace.
+
+        The handler may run in the middle of a write to the run's log (torchrun's SIGTERM
+        reaches a failing rank while it logs its traceback), and logging is not reentrant: it
+        only sets the flag and tells the terminal with one raw write; the log gets the note when
+        the loop acts on it."""
+        rank = self.ranks.rank
 
         def request_stop(signum, frame):
             self.stop_requested = True
-            note(f"signal {signal.Signals(signum).name}: checkpointing after this step")
+            self._stop_signal = signal.Signals(signum).name
+            if rank == 0:
+                message = (
+                    f"[gspo-megatron] signal {self._stop_signal}: checkpointing after this step"
+                )
+                os.write(2, (message + "\n").encode())
 
         return {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -288,6 +302,11 @@ class Trainer:
         A signal reaches some ranks before others, and only wall-clock time decides the
         timed saves, so ranks vote; any rank's yes wins.
         """
+        if self._stop_signal is not None:
+            logging.getLogger("gspo_megatron").info(
+                "signal %s: checkpointing after this step", self._stop_signal
+            )
+            self._stop_signal = None
         t = self.cfg.trainer
         by_steps = t.save_every > 0 and self.step % t.save_every == 0
         by_time = (

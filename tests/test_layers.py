@@ -55,3 +55,12 @@ def test_an_import_against_a_contract_breaks_it(tmp_path, module, line, contract
     proc = lint_imports(tmp_path, contract)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "BROKEN" in out and named in out, out
+
+
+def test_the_layers_and_acyclic_contracts_list_no_exceptions():
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    by_id = {c["id"]: c for c in contracts["contracts"]}
+    assert not by_id["layers"].get("ignore_imports"), by_id["layers"]["ignore_imports"]
+    assert not by_id["acyclic"].get("ignore_imports"), by_id["acyclic"]["ignore_imports"]

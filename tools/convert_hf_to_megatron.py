@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron, run_conversion_tool
+    from gspo_megatron.megatron.verify import conversion_difference
 
     return run_conversion_tool(
         convert_hf_to_megatron,
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         output=args.output,
         dtype=args.dtype,
         overwrite=args.overwrite,
-        verify=args.verify,
+        verify=conversion_difference if args.verify else None,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         threads=args.threads,
     )

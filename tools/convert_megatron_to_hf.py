@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from gspo_megatron.checkpoint.convert import convert_megatron_to_hf, run_conversion_tool
+    from gspo_megatron.megatron.verify import conversion_difference
 
     return run_conversion_tool(
         convert_megatron_to_hf,
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=args.tokenizer,
         hf_config=args.hf_config,
         overwrite=args.overwrite,
-        verify=args.verify,
+        verify=conversion_difference if args.verify else None,
         max_shard_bytes=int(args.max_shard_size_gb * 1e9),
     )
 

@@ -19,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gspo_megatron.files import staged  # noqa: E402
+
 FIGURES = {
     "reward": ["reward/mean", "reward/accuracy"],
     "clip_fraction": ["actor/clip_fraction", "actor/seq_clip_fraction"],
@@ -84,7 +86,8 @@ def plot(runs: dict[str, list[dict]], out_dir: Path, window: int) -> list[Path]:
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / f"{figure}.png"
-        fig.savefig(path, dpi=110)
+        with staged(path) as tmp:  # a figure open in a viewer is replaced whole
+            fig.savefig(tmp, dpi=110, format="png")
         plt.close(fig)
         written.append(path)
     return written

@@ -25,6 +25,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -110,6 +111,11 @@ def _vm_hwm() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+# (hf_dir, megatron_dir, model config, dtype, value_head) -> (what was compared, max |diff|):
+# gspo_megatron.megatron.verify.conversion_difference builds both models and compares them.
+Verifier = Callable[[Path, Path, ModelConfig, torch.dtype, bool], tuple[str, float]]
+
+
 @dataclass
 class ConversionReport:
     direction: str
@@ -123,7 +129,7 @@ class ConversionReport:
     peak_rss: int
     largest_tensor_bytes: int
     verify_max_abs_diff: float | None = None
-    verified: str = "log-prob"  # what --verify compared: log-probs, or a value model's values
+    verified: str = "log-prob"  # what the verifier compared: log-probs, or a value model's values
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -223,7 +229,7 @@ def convert_hf_to_megatron(
     *,
     dtype: str | None = None,
     overwrite: bool = False,
-    verify: bool = False,
+    verify: Verifier | None = None,
     make_vocab_size_divisible_by: int = 128,
     threads: int = 1,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
@@ -232,6 +238,7 @@ def convert_hf_to_megatron(
 
     A `*ForSequenceClassification` directory with one label converts as a value model.
     dtype: bf16/fp16/fp32; default: the dtype the HF tensors are stored in.
+    verify: compares the two sides' outputs before the output appears (`Verifier`).
     """
     hf_dir = Path(hf_dir)
     with PeakRSS() as mem:
@@ -284,8 +291,10 @@ def convert_hf_to_megatron(
             )
             report.bytes_written = torch_dist.directory_bytes(tmp)
             report.seconds = time.perf_counter() - t0
-            if verify:
-                _run_verify(report, hf_dir, tmp, cfg, target, value_head)
+            if verify is not None:
+                report.verified, report.verify_max_abs_diff = verify(
+                    hf_dir, tmp, cfg, target, value_head
+                )
     report.peak_rss = mem.peak
     return report
 
@@ -339,7 +348,7 @@ def convert_megatron_to_hf(
     tokenizer: str | Path | None = None,
     hf_config: str | Path | None = None,
     overwrite: bool = False,
-    verify: bool = False,
+    verify: Verifier | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     read_bytes: int = DEFAULT_READ_BYTES,
 ) -> ConversionReport:
@@ -358,14 +367,14 @@ def convert_megatron_to_hf(
             cfg, base_config = read_hf_config(hf_config)
         elif is_checkpoint(src):
             cfg = model_config_from_meta(read_meta(src)["model"])
+        else:
+            raise ConversionError(
+                f"{src}: no {META_FILE}; pass --hf-config with the model's config.json"
+            )
         if is_checkpoint(src) and read_meta(src).get("lora"):
             raise ConversionError(
                 f"{src} holds LoRA adapters: converting it would write the base weights without "
                 "them; the merged and PEFT exports are not built yet (docs/LORA.md)"
-            )
-        else:
-            raise ConversionError(
-                f"{src}: no {META_FILE}; pass --hf-config with the model's config.json"
             )
         if base_config is None and (src / HF_FILES_DIR / "config.json").is_file():
             base_config = json.loads((src / HF_FILES_DIR / "config.json").read_text())
@@ -436,8 +445,10 @@ def convert_megatron_to_hf(
                 report.notes.append("no tokenizer files found (pass --tokenizer DIR to add them)")
             report.bytes_written = torch_dist.directory_bytes(tmp)
             report.seconds = time.perf_counter() - t0
-            if verify:
-                _run_verify(report, tmp, src, cfg, target, value_head)
+            if verify is not None:
+                report.verified, report.verify_max_abs_diff = verify(
+                    tmp, src, cfg, target, value_head
+                )
     report.peak_rss = mem.peak
     return report
 
@@ -454,52 +465,6 @@ def _read_buckets(mapping: ModelMapping, read_bytes: int, itemsize: int):
         size += nbytes
     if bucket:
         yield bucket
-
-
-def _run_verify(
-    report: ConversionReport,
-    hf_dir: Path,
-    megatron_dir: Path,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    value_head: bool,
-) -> None:
-    if value_head:
-        report.verified = "value"
-        report.verify_max_abs_diff = compare_values(hf_dir, megatron_dir, cfg, round_to=dtype)
-    else:
-        from gspo_megatron.checkpoint.verify import compare_logprobs
-
-        report.verify_max_abs_diff = compare_logprobs(hf_dir, megatron_dir, cfg, round_to=dtype)
-
-
-@torch.no_grad()
-def compare_values(
-    hf_dir: str | Path,
-    megatron_dir: str | Path,
-    cfg: ModelConfig,
-    *,
-    round_to: torch.dtype | None = None,
-    count: int = 2,
-    length: int = 32,
-    seed: int = 0,
-) -> float:
-    """max |value difference| of a value model, at every position of random token sequences,
-    between transformers' `AutoModelForSequenceClassification` (its head applied to every
-    hidden state) and a one-process megatron model; both in float32 with the weights rounded
-    to `round_to` (like `verify.compare_logprobs` for policies)."""
-    from transformers import AutoModelForSequenceClassification
-
-    from gspo_megatron.checkpoint.verify import megatron_outputs, random_sequences
-
-    tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
-    model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=round_to)
-    model = model.float().eval()
-    hidden = model.model(input_ids=tokens).last_hidden_state
-    hf = model.score(hidden)[..., 0].float()
-    del model
-    mc = megatron_outputs(megatron_dir, cfg, tokens, round_to, value_head=True)[..., 0]
-    return float((hf - mc).abs().max())
 
 
 def run_conversion_tool(convert, verify_tol: float, **kwargs: Any) -> int:

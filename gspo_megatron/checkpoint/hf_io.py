@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import struct
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from gspo_megatron.checkpoint.mapping import (
     sequence_classification_architecture,
     unexpected_hf_names,
 )
+from gspo_megatron.files import staged
 
 if TYPE_CHECKING:
     from gspo_megatron.spec.model_config import ModelConfig
@@ -611,17 +611,6 @@ def staged_output(
             f"{final}: output directory is not empty; pass --overwrite to replace it"
         )
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged(final) as tmp:
+        tmp.mkdir()
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

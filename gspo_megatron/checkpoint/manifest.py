@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from gspo_megatron.files import write_atomically
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
@@ -47,13 +48,7 @@ def write_manifest(root: str | Path, entries: dict[str, dict[str, int | str]]) -
     """Write the manifest (durably: fsync of the file and its directory)."""
     path = Path(root) / MANIFEST_FILE
     text = json.dumps({"version": MANIFEST_VERSION, "files": entries}, indent=1, sort_keys=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(root)
+    write_atomically(path, text)
     return path
 
 
@@ -139,17 +134,3 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename or a new file in `path` durable (best effort where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -12,11 +12,11 @@ checkpoints (no manifest, scheduler state in megatron's common state) load as in
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron.files import write_atomically
 from gspo_megatron.spec.model_config import ModelConfig
 
 META_FILE = "gspo_checkpoint.json"
@@ -51,10 +51,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def write_meta(path: str | Path, meta: dict[str, Any]) -> None:
     """Write the metadata durably (it is listed in the manifest written after it)."""
     meta_file = Path(path) / META_FILE
-    with open(meta_file, "w") as f:
-        f.write(json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2))
-        f.flush()
-        os.fsync(f.fileno())
+    write_atomically(meta_file, json.dumps({"format_version": FORMAT_VERSION, **meta}, indent=2))
 
 
 def model_config_from_meta(meta_model: dict[str, Any], **overrides: Any) -> ModelConfig:

@@ -28,6 +28,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from gspo_megatron.files import replacing, staged
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -420,14 +422,16 @@ def load_prompt_dataset(
 
 
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
-    """Write records one JSON object per line (UTF-8)."""
-    with open(path, "w", encoding="utf-8") as f:
+    """Write records one JSON object per line (UTF-8), replacing `path` atomically."""
+    with replacing(path) as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def write_parquet(path: str | os.PathLike, records: Sequence[dict]) -> None:
-    """Write records as a Parquet table (columns inferred by pyarrow)."""
+    """Write records as a Parquet table (columns inferred by pyarrow), replacing `path`
+    atomically."""
     pa, pq = _pyarrow(str(path))
 
-    pq.write_table(pa.Table.from_pylist(list(records)), path)
+    with staged(path) as tmp:
+        pq.write_table(pa.Table.from_pylist(list(records)), tmp)

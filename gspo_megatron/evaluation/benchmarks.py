@@ -21,6 +21,7 @@ from gspo_megatron.config_fields import ConfigError
 from gspo_megatron.data.dataset import DataError, Prompt, PromptDataset
 from gspo_megatron.evaluation.config import BenchmarkConfig, benchmark_reading, benchmark_reward
 from gspo_megatron.evaluation.metrics import benchmark_metrics
+from gspo_megatron.files import write_atomically
 from gspo_megatron.ranks import Ranks
 from gspo_megatron.rewards.registry import build_scorer
 from gspo_megatron.rewards.scorer import RewardScorer
@@ -90,7 +91,7 @@ def build_benchmarks(
     """The enabled benchmarks of cfg.eval: the held-out prompts (`heldout`, None when the data
     has none), then each named benchmark's files. Errors name the benchmark's key."""
     from gspo_megatron.data.vocab import check_prompt_ids
-    from gspo_megatron.run_files import note
+    from gspo_megatron.notes import note
 
     stop = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     out = []
@@ -260,8 +261,6 @@ def _metrics(bench: Benchmark, records: list[dict[str, Any]], failures: int) -> 
 
 def write_records(path: Path, records: Sequence[dict[str, Any]]) -> None:
     """One JSON line per problem (a kill leaves the previous file or the whole new one)."""
-    from gspo_megatron.run_files import write_atomically
-
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records]
     write_atomically(path, "".join(lines))

@@ -24,16 +24,18 @@ import traceback
 from gspo_megatron.isolation.protocol import read_frame, write_frame
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int | None) -> None:
+    """Be killed (SIGKILL) when the parent process ends (Linux PR_SET_PDEATHSIG); exit at once
+    if the parent `parent_pid` (when known) already ended before that took effect."""
     try:
         import ctypes
         import signal
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:  # not Linux / no glibc: the stdin EOF check below still ends idle workers
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    except OSError:  # not Linux / no glibc: the callers' own checks remain (this worker's
+        pass  # stdin EOF, the trainer's peer watchdog)
+    if parent_pid is not None and os.getppid() != parent_pid:  # it died before prctl took effect
         os._exit(1)
 
 
@@ -48,7 +50,7 @@ def main() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _die_with_parent(int(sys.argv[1]))
+    die_with_parent(int(sys.argv[1]))
     inp = sys.stdin.buffer
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the function's prints go to stderr, not into the protocol

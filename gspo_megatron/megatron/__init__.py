@@ -1,8 +1,9 @@
 """Megatron-core plumbing: process groups, the model, the training engine, checkpoints of model
-chunks, weight export. megatron-core is imported here and, besides, only by the embedded rollout
+chunks, weights into and out of model chunks (weight_loading, weight_export), the conversion
+check (verify). megatron-core is imported here and, besides, only by the embedded rollout
 engine, which generates with this package's model in place (rollout/embedded/in_process.py,
-decoders.py), and by checkpoint/loading.py until the checkpoint package's move; the
-import-linter contract in pyproject.toml says so and tests/test_layers.py checks it.
+decoders.py); the import-linter contract in pyproject.toml says so and tests/test_layers.py
+checks it. gspo_megatron.checkpoint (file formats, mappings, conversion) imports none of it.
 
 The CPU/gloo compatibility shims (`cpu_compat.apply()`) must be installed before the first
 `import megatron.core`; the code that starts megatron calls it (gspo-train, gspo-logprobs, the

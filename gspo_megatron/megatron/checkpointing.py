@@ -24,7 +24,6 @@ import errno
 import os
 import queue
 import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from gspo_megatron import files
 from gspo_megatron.checkpoint import manifest
 from gspo_megatron.checkpoint.meta import (
     META_FILE,
@@ -106,7 +106,7 @@ def save_engine(
         raise CheckpointError(f"{final}: checkpoint directory already exists")
     companions = dict(companions or {})
     rank = dist.get_rank()
-    tmp = final.parent / _broadcast(f"{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = final.parent / _broadcast(files.temporary_path(final).name)  # rank 0 names it
     try:
         _on_rank0("create the directory", lambda: tmp.mkdir(parents=True), tmp)
         _use_thread_results_queue()
@@ -196,7 +196,7 @@ def _written_by(rank: int, root: Path) -> list[str]:
 
 def _publish(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
-    manifest.fsync_dir(final.parent)
+    files.fsync_dir(final.parent)
 
 
 def _save_durably(obj: Any, path: Path) -> None:
@@ -545,13 +545,8 @@ def remove_scratch(path: str | Path) -> None:
 
 
 def remove_incomplete(parent: str | Path) -> list[Path]:
-    """Delete leftovers of interrupted saves (`*.tmp-*` directories) under `parent`."""
-    removed = []
-    for child in Path(parent).glob("*.tmp-*"):
-        if child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
-            removed.append(child)
-    return removed
+    """Delete leftovers of interrupted saves (temporary directories) under `parent`."""
+    return files.remove_temporaries(parent)
 
 
 def load_reference_weights(chunks, path: str | Path) -> list[dict[str, torch.Tensor]]:

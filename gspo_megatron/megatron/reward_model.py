@@ -16,9 +16,10 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from gspo_megatron.checkpoint.loading import check_head, load_weights, read_model_config
+from gspo_megatron.checkpoint.reading import check_head, read_model_config
 from gspo_megatron.megatron.batch import padded_length
 from gspo_megatron.megatron.training_engine import TrainingEngine
+from gspo_megatron.megatron.weight_loading import load_weights
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.sample import TrainSample
 from gspo_megatron.spec.training import EngineSettings

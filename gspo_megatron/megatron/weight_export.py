@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.checkpoint.loading import sharded_pieces
 from gspo_megatron.checkpoint.mapping import ModelMapping, Shape, TensorMapping, get_mapping
 from gspo_megatron.device import accelerator
+from gspo_megatron.megatron.weight_loading import sharded_pieces
 from gspo_megatron.spec.model_config import ModelConfig
 
 

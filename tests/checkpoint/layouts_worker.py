@@ -26,8 +26,8 @@ cpu_compat.apply()  # before megatron-core is imported
 
 from layout_text import parse_layout
 
-from gspo_megatron.checkpoint import logprobs_cli
-from gspo_megatron.checkpoint.loading import read_model_config
+from gspo_megatron import logprobs_cli
+from gspo_megatron.checkpoint.reading import read_model_config
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.spec.layout import ParallelLayout
 
@@ -80,7 +80,7 @@ def single_process_checks(models: dict, scoring: dict) -> None:
     from te_spec_keys import te_only_extra_state, te_spec_tensor_shapes
     from torch.distributed.checkpoint import FileSystemReader
 
-    from gspo_megatron.checkpoint.loading import _local_sharded_tensors
+    from gspo_megatron.megatron.weight_loading import _local_sharded_tensors
 
     layout = ParallelLayout(world_size=1)
     expected = json.loads(Path(scoring["expected_moe"]).read_text())
@@ -96,10 +96,13 @@ def single_process_checks(models: dict, scoring: dict) -> None:
     emit("moe_logprobs_single_load_engine_strict", max_diff(got, expected), TOL)
 
     # The trainer's model.init_from entry points.
-    from gspo_megatron.checkpoint import load_engine_weights, load_hf_weights
+    from gspo_megatron.megatron.weight_loading import (
+        load_engine_hf_weights,
+        load_engine_weights,
+    )
 
     for name, load, path in (
-        ("init_from_hf_dir", load_hf_weights, models["hf_moe"]),
+        ("init_from_hf_dir", load_engine_hf_weights, models["hf_moe"]),
         ("init_from_megatron_dir", load_engine_weights, models["mc_moe"]),
     ):
         with torch.no_grad():

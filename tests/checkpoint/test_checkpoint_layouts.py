@@ -132,7 +132,7 @@ def test_console_script_help():
         [
             sys.executable,
             "-c",
-            "from gspo_megatron.checkpoint.logprobs_cli import main; main()",
+            "from gspo_megatron.logprobs_cli import main; main()",
             "--help",
         ],
         capture_output=True,
@@ -143,8 +143,8 @@ def test_console_script_help():
 
 
 def test_gspo_logprobs_bad_input_is_named(models, tmp_path):
-    from gspo_megatron.checkpoint.logprobs_cli import read_sequences
     from gspo_megatron.checkpoint.mapping import ConversionError
+    from gspo_megatron.logprobs_cli import read_sequences
 
     bad = tmp_path / "in.jsonl"
     bad.write_text('{"input_ids": [1, 2]}\n{"input_ids": [3, 99]}\n')

@@ -268,7 +268,7 @@ def test_crafted_checkpoint_runs_no_code_at_any_entry_point(five_saved_steps, tm
             capture_output=True, text=True, env=env, cwd=REPO,
         ),
         "gspo-logprobs": lambda: subprocess.run(
-            [sys.executable, "-m", "gspo_megatron.checkpoint.logprobs_cli", "--checkpoint",
+            [sys.executable, "-m", "gspo_megatron.logprobs_cli", "--checkpoint",
              str(crafted), "--input", str(write_sequences(tmp_path / "seq.jsonl")),
              "--output", str(tmp_path / "lp.jsonl")],
             capture_output=True, text=True, env=env, cwd=REPO,

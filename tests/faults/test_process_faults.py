@@ -1,10 +1,13 @@
 """Processes off the happy path, through `gspo-train` under gspo_megatron.torchrun with two
 ranks: SIGTERM checkpoints and exits 0; a rank killed or hung makes the other leave within
-seconds with a message; a checkpoint damaged on one rank only is rejected by both together.
+seconds with a message; the workers die with a killed launcher; a checkpoint damaged on one rank
+only is rejected by both together; what the user sees is our lines, not the libraries' noise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -81,23 +84,49 @@ def test_sigterm_under_torchrun_checkpoints_and_exits_zero(tmp_path):
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_other_rank_leaves_within_seconds_when_one_is_gone(tmp_path, fault):
     """kill -9 of rank 1: gloo sees its sockets close. SIGSTOP of rank 1 (a hang, or a node that
-    vanished): only the heartbeat watchdog notices, after trainer.peer_timeout_s."""
-    proc = start(tmp_path, "trainer.steps=500", "trainer.peer_timeout_s=5")
+    vanished): only the heartbeat watchdog notices, after trainer.peer_timeout_s. For the kill,
+    the watchdog waits 60 s, so leaving within 30 s (a margin for a loaded machine) is gloo's."""
+    peer_timeout_s = 60 if fault == "killed" else 5
+    proc = start(tmp_path, "trainer.steps=500", f"trainer.peer_timeout_s={peer_timeout_s}")
     wait_for_records(tmp_path, 2, proc)
     survivor = worker(proc, 0)
     victim = worker(proc, 1)
     victim.send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     gone_at = time.monotonic()
     try:
-        survivor.wait(timeout=60)
+        survivor.wait(timeout=90)
     except psutil.TimeoutExpired:
-        pytest.fail(f"rank 0 still running 60 s after rank 1 was {fault}: {kill_tree(proc)}")
+        pytest.fail(f"rank 0 still running 90 s after rank 1 was {fault}: {kill_tree(proc)}")
     elapsed = time.monotonic() - gone_at
     out = kill_tree(proc)
-    assert elapsed < (5 if fault == "killed" else 15), elapsed
+    assert elapsed < (30 if fault == "killed" else 15), elapsed
     assert "gspo-train: rank 0: " in out, out[-3000:]
-    if fault == "hung":
-        assert "rank 1 sent no heartbeat" in out
+    assert ("rank 1 sent no heartbeat" in out) == (fault == "hung"), out[-3000:]
+
+
+@pytest.mark.parametrize("when", ["starting", "training"])
+def test_workers_die_with_their_launcher(tmp_path, when):
+    """kill -9 of gspo_megatron.torchrun: its workers die with it (PR_SET_PDEATHSIG), whether
+    they were still starting (before the process group or the peer watchdog exist: they would
+    wait minutes for the job's store, holding the run directory's lock) or training; nothing
+    but notes reaches the terminal (no C++ stack of a failed store call)."""
+    proc = start(tmp_path, "trainer.steps=500")
+    if when == "training":
+        wait_for_records(tmp_path, 2, proc)
+    deadline = time.monotonic() + 120
+    workers = []
+    while len(workers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        with contextlib.suppress(AssertionError):
+            workers = [worker(proc, 0), worker(proc, 1)]
+    assert len(workers) == 2, "no workers started"
+    proc.kill()
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    for p in alive:
+        p.kill()
+    out = proc.communicate(timeout=60)[0]
+    assert not alive, f"{len(alive)} worker(s) still running 10 s after the launcher was killed"
+    assert all(x.startswith("[gspo-megatron]") for x in out.splitlines() if x.strip()), out
 
 
 def test_checkpoint_damaged_on_one_rank_is_rejected_by_both(tmp_path):
@@ -114,3 +143,31 @@ def test_checkpoint_damaged_on_one_rank_is_rejected_by_both(tmp_path):
     assert "rank_00001.pt: checksum mismatch" in proc.stderr
     assert "resumed at step 1" in proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_gspo_torchrun_says_how_each_worker_ended():
+    from gspo_megatron.torchrun import describe_exits
+
+    assert describe_exits({3: -9, 0: -15, 1: -15, 2: -15}) == (
+        "ranks 0, 1, 2: SIGTERM; rank 3: killed (SIGKILL)"
+    )
+    assert describe_exits({1: 1, 0: -15}) == "rank 0: SIGTERM; rank 1: exit 1"
+
+
+def test_libraries_noise_is_off_in_every_process_of_a_job(monkeypatch):
+    """c10d's C++ warnings (each failed store call with its C++ stack, when the store's node is
+    lost) and the resource tracker's "leaked semaphore" warning are off in the environment the
+    job's processes inherit; a user's TORCH_CPP_LOG_LEVEL stays. (Their effect: the async kill
+    test in tests/trainer/test_train_e2e.py, and the soak's launcher kills before processes
+    died with their launcher.)"""
+    from gspo_megatron.train import quiet_failure_noise
+
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    quiet_failure_noise()
+    quiet_failure_noise()
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    assert os.environ["PYTHONWARNINGS"] == "default,ignore:resource_tracker:UserWarning"
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
+    quiet_failure_noise()
+    assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"

@@ -336,6 +336,13 @@ def mode_lora_resume(layout: ParallelLayout, workdir: Path) -> None:
         lambda: checkpointing.load_model_weights(full.unwrapped_chunks, workdir / "lora_step2"),
         "holds LoRA adapters (lora.rank=4): loading its base weights alone would drop them",
     )
+    from gspo_megatron.checkpoint.convert import convert_megatron_to_hf
+
+    expect_error(
+        "lora_checkpoint_conversion",
+        lambda: convert_megatron_to_hf(workdir / "lora_step2", workdir / "lora_hf"),
+        "holds LoRA adapters: converting it would write the base weights without them",
+    )
     for engine in (straight, resumed, full, other):
         engine.close()
 
@@ -343,7 +350,7 @@ def mode_lora_resume(layout: ParallelLayout, workdir: Path) -> None:
 def mode_lora_init_from(layout: ParallelLayout, workdir: Path) -> None:
     from launch import hf_policy
 
-    from gspo_megatron.checkpoint import load_engine_weights
+    from gspo_megatron.megatron.weight_loading import load_engine_weights
 
     lora = LoRASettings(rank=4, alpha=8.0)
     batch = samples()

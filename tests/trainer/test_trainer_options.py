@@ -757,6 +757,39 @@ def test_a_failed_run_holds_its_signal_handlers_until_close(composer, tokenizer)
     assert signal.getsignal(signal.SIGINT) is not held
 
 
+def test_a_stop_signal_writes_nothing_to_the_log_from_its_handler(composer, tokenizer, capfd):
+    """The handler may interrupt a write to the run's log (a failing rank logging its traceback
+    when torchrun's SIGTERM comes), and logging is not reentrant ("--- Logging error ---"): it
+    says so on the terminal with a raw write; the log gets the note when the loop acts on it."""
+    import logging
+    import signal
+
+    cfg, model, layout = composer.resolve("trainer.steps=2")
+    run = build_fake_run(cfg, model, layout, tokenizer)
+    records: list[str] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    recorder = Recorder()
+    logger = logging.getLogger("gspo_megatron")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(recorder)
+    try:
+        run.trainer._replaced_handlers = run.trainer._install_signal_handlers()
+        signal.raise_signal(signal.SIGTERM)
+        assert run.trainer.stop_requested and records == []
+        assert "signal SIGTERM: checkpointing after this step" in capfd.readouterr().err
+        run.trainer._agree_on_save_and_stop()
+        assert records == ["signal SIGTERM: checkpointing after this step"]
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+        run.trainer.close()
+
+
 def test_evaluation(composer, tokenizer):
     run = run_fake(
         composer,

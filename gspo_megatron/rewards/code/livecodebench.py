@@ -18,11 +18,11 @@ import argparse
 import base64
 import io
 import json
-import os
 import pickle
 import zlib
 from typing import Any
 
+from gspo_megatron import files
 from gspo_megatron.rewards.base import RewardError
 from gspo_megatron.rewards.code.problems import parse_problem
 
@@ -128,13 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         records = read_rows(args.source)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"livecodebench: {exc}") from None
-    tmp = f"{args.out}.tmp.{os.getpid()}"  # a kill leaves the old file or the new one
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, args.out)
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    files.write_atomically(args.out, text)  # a kill leaves the old file or the new one
     print(f"wrote {len(records)} problems to {args.out}")
 
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron import files
 from gspo_megatron.rollout.sglang.client import NO_RETRY, SGLangClient
 from gspo_megatron.rollout.sglang.protocol import (
     SGLangConnectionError,
@@ -143,24 +142,7 @@ class MemoryRecord:
             indent=1,
         )
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # A name no other writer uses: a leftover of a killed writer is never renamed into place.
-        fd, tmp = tempfile.mkstemp(
-            dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp"
-        )
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        directory = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        files.write_atomically(self.path, text + "\n")
 
 
 def _not_applied(error: SGLangError) -> bool:

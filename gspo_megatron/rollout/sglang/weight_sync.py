@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import shutil
 import types
 from collections.abc import Iterator, Sequence
@@ -36,6 +37,10 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import torch
+
+from gspo_megatron import files
+
+logger = logging.getLogger(__name__)
 
 # Files copied from the base model directory next to the new weights in disk mode.
 _DISK_META_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
@@ -178,41 +183,43 @@ def init_custom_process_group(
 
 class DiskWriter:
     """Writes HF safetensors checkpoints for /update_weights_from_disk under `root`, one fresh
-    directory per version, removing the previous one once the servers loaded the new one."""
+    directory per version (written under a temporary name, then renamed), removing the
+    previous one once the servers loaded the new one. The trainer's leader is its one writer;
+    exports that a killed writer of this host left half written are removed when it starts."""
 
     def __init__(self, root: str | Path, base_model_path: str | Path | None) -> None:
         self.root = Path(root)
         self.base_model_path = Path(base_model_path) if base_model_path else None
         self._previous: Path | None = None
+        for left in files.remove_temporaries(self.root, only_dead_writers=True):
+            logger.info("removed %s, an export its writer did not finish", left)
 
     def write(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], version: int) -> Path:
         from safetensors.torch import save_file
 
         final = self.root / f"weights_v{version}"
-        tmp = self.root / f".weights_v{version}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, bucket in enumerate(buckets):
-            fname = f"model-{i + 1:05d}.safetensors"
-            tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
-            for n, t in tensors.items():
-                if n in weight_map:
-                    raise ValueError(f"weight source yielded {n!r} twice")
-                weight_map[n] = fname
-                total += t.numel() * t.element_size()
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
-        if not weight_map:
-            raise ValueError("weight source yielded no tensors")
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / _WEIGHT_INDEX).write_text(json.dumps(index, indent=1))
-        if self.base_model_path is not None:
-            for f in self.base_model_path.iterdir():
-                if f.is_file() and f.suffix in _DISK_META_SUFFIXES and f.name != _WEIGHT_INDEX:
-                    shutil.copy2(f, tmp / f.name)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        self.root.mkdir(parents=True, exist_ok=True)
+        with files.staged(final) as tmp:
+            tmp.mkdir()
+            weight_map: dict[str, str] = {}
+            total = 0
+            for i, bucket in enumerate(buckets):
+                fname = f"model-{i + 1:05d}.safetensors"
+                tensors = {n: t.detach().contiguous().cpu() for n, t in bucket}
+                for n, t in tensors.items():
+                    if n in weight_map:
+                        raise ValueError(f"weight source yielded {n!r} twice")
+                    weight_map[n] = fname
+                    total += t.numel() * t.element_size()
+                save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            if not weight_map:
+                raise ValueError("weight source yielded no tensors")
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / _WEIGHT_INDEX).write_text(json.dumps(index, indent=1))
+            if self.base_model_path is not None:
+                for f in self.base_model_path.iterdir():
+                    if f.is_file() and f.suffix in _DISK_META_SUFFIXES and f.name != _WEIGHT_INDEX:
+                        shutil.copy2(f, tmp / f.name)
         return final
 
     def committed(self, path: Path) -> None:

@@ -2,7 +2,7 @@
 
     gspo-logprobs --checkpoint PATH --input IN.jsonl --output OUT.jsonl [--tp N --pp N --ep N
                   --etp N --cp N] [--dtype fp32|bf16|fp16]
-    torchrun --nproc-per-node 4 -m gspo_megatron.checkpoint.logprobs_cli ... --tp 2 --ep 2
+    torchrun --nproc-per-node 4 -m gspo_megatron.logprobs_cli ... --tp 2 --ep 2
 
 PATH is an HF model directory (weights are loaded straight into the sharded model) or a megatron
 checkpoint (converted or saved by training, any layout). Each input line is
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from gspo_megatron.checkpoint.mapping import ConversionError
 from gspo_megatron.checkpoint.meta import CheckpointError
+from gspo_megatron.files import replacing
 
 
 def read_sequences(path: str | Path, vocab_size: int | None = None) -> list[list[int]]:
@@ -66,9 +67,10 @@ def build_scoring_engine(
     from gspo_megatron.megatron import cpu_compat
 
     cpu_compat.apply()  # before megatron-core is imported
-    from gspo_megatron.checkpoint.loading import load_weights, read_model_config
+    from gspo_megatron.checkpoint.reading import read_model_config
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.megatron.weight_loading import load_engine_weights
     from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
     params_dtype = dtype_name(parse_dtype(dtype))
@@ -90,8 +92,7 @@ def build_scoring_engine(
             name="sgd", lr=0.0, weight_decay=0.0, clip_grad=0.0, distributed_optimizer=False
         ),
     )
-    load_weights(engine.unwrapped_chunks, cfg, checkpoint)
-    engine.optimizer.reload_model_params()
+    load_engine_weights(engine, checkpoint)
     return engine
 
 
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gspo_megatron.megatron import cpu_compat
 
     cpu_compat.apply()  # before megatron-core is imported
-    from gspo_megatron.checkpoint.loading import read_model_config
+    from gspo_megatron.checkpoint.reading import read_model_config
     from gspo_megatron.megatron import parallel
     from gspo_megatron.spec.layout import LayoutError
 
@@ -187,11 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if dist.get_rank() == 0:
         out = Path(args.output)
-        tmp = out.with_name(out.name + ".tmp")
-        with open(tmp, "w") as f:
+        with replacing(out) as f:
             for lp in results:
                 f.write(json.dumps({"logprobs": lp}) + "\n")
-        tmp.replace(out)
         print(
             f"gspo-logprobs: {len(results)} sequences ({sum(len(r) for r in results)} tokens) "
             f"on {layout.describe()} in {time.perf_counter() - t0:.1f} s -> {out}",

@@ -1,5 +1,7 @@
-"""Check a conversion by the model's outputs: log-probs of random tokens under transformers
-(HF directory) and under megatron-core (megatron checkpoint) in one process.
+"""Check a conversion by the model's outputs: log-probs of random tokens (a value model's
+values) under transformers (HF directory) and under megatron-core (megatron checkpoint) in one
+process. `conversion_difference` is the verifier the conversion tools pass to
+gspo_megatron.checkpoint.convert.
 
 Both sides hold the same weight values — rounded to the conversion's dtype, then computed in
 float32 — so the difference measures the mapping, not the dtype. Needs memory for both full
@@ -50,9 +52,9 @@ def megatron_outputs(
     from gspo_megatron.megatron import cpu_compat
 
     cpu_compat.apply()  # before megatron-core is imported
-    from gspo_megatron.checkpoint.loading import load_weights
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.model import build_model_chunks
+    from gspo_megatron.megatron.weight_loading import load_weights
     from gspo_megatron.spec.layout import ParallelLayout
 
     started = not dist.is_initialized()
@@ -102,3 +104,40 @@ def compare_logprobs(
     hf = transformers_logprobs(hf_dir, tokens, round_to)
     mc = megatron_logprobs(megatron_dir, cfg, tokens, round_to)
     return float((hf - mc).abs().max())
+
+
+@torch.no_grad()
+def compare_values(
+    hf_dir: str | Path,
+    megatron_dir: str | Path,
+    cfg: ModelConfig,
+    *,
+    round_to: torch.dtype | None = None,
+    count: int = 2,
+    length: int = 32,
+    seed: int = 0,
+) -> float:
+    """max |value difference| of a value model, at every position of random token sequences,
+    between transformers' `AutoModelForSequenceClassification` (its head applied to every
+    hidden state) and a one-process megatron model; both in float32 with the weights rounded
+    to `round_to` (like `compare_logprobs` for policies)."""
+    from transformers import AutoModelForSequenceClassification
+
+    tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
+    model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=round_to)
+    model = model.float().eval()
+    hidden = model.model(input_ids=tokens).last_hidden_state
+    hf = model.score(hidden)[..., 0].float()
+    del model
+    mc = megatron_outputs(megatron_dir, cfg, tokens, round_to, value_head=True)[..., 0]
+    return float((hf - mc).abs().max())
+
+
+def conversion_difference(
+    hf_dir: Path, megatron_dir: Path, cfg: ModelConfig, dtype: torch.dtype, value_head: bool
+) -> tuple[str, float]:
+    """The conversion tools' verifier (checkpoint.convert.Verifier): a value model's values,
+    or a policy's log-probs, compared between the two sides with the weights in `dtype`."""
+    if value_head:
+        return "value", compare_values(hf_dir, megatron_dir, cfg, round_to=dtype)
+    return "log-prob", compare_logprobs(hf_dir, megatron_dir, cfg, round_to=dtype)
