@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from launch import layouts_by_launch, run_worker
-from test_layouts import LAYOUTS
+from layout_text import VERIFIED_LAYOUTS as LAYOUTS
 
 WORKERS = Path(__file__).resolve().parent
 LOSSES = ("gspo", "gspo_token")  # a sequence-level and a token-level loss
