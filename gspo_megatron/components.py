@@ -48,12 +48,13 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
-    if (cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0) and cfg.lora.enabled:
+    kl_to_initial_policy = cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0
+    if kl_to_initial_policy and cfg.lora.enabled:
         from gspo_megatron.megatron.lora import BaseModelReference
 
         # LoRA: the policy's base model, adapters off (its weights never train).
         reference = BaseModelReference(engine)
-    elif cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0:
+    elif kl_to_initial_policy:
         from gspo_megatron.megatron.training_engine import TrainingEngine
 
         # The initial policy, frozen: copied before a resume loads the policy's checkpoint, so a
