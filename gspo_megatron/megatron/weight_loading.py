@@ -93,10 +93,14 @@ class _WithoutAdapters:
         return self._chunk.load_state_dict(state, strict=False)
 
 
-def has_adapters(chunks) -> bool:
-    return any(
-        name.endswith(ADAPTER_SUFFIXES) for chunk in chunks for name, _ in chunk.named_parameters()
-    )
+def base_weights_of(chunks) -> list:
+    """`chunks` as a loader of base weights sees them: those with LoRA adapters without them."""
+    return [
+        _WithoutAdapters(chunk)
+        if any(name.endswith(ADAPTER_SUFFIXES) for name, _ in chunk.named_parameters())
+        else chunk
+        for chunk in chunks
+    ]
 
 
 def _local_sharded_tensors(node) -> Iterator:
@@ -139,7 +143,8 @@ def load_hf_weights(
     value_head: bool = False,
     head: str = "load",
 ) -> None:
-    """Fill this rank's model chunks (any layout) from an HF safetensors directory.
+    """Fill this rank's model chunks (any layout) from an HF safetensors directory (the base
+    weights of chunks with LoRA adapters, which stay as built).
 
     value_head: the chunks are a value / reward model's; head: "load" or "init" (module doc).
     """
@@ -151,7 +156,7 @@ def load_hf_weights(
     validate_hf_tensors(mapping, ckpt, head=head)
     cached: tuple[Any, torch.Tensor] | None = None
     with torch.no_grad():
-        for entry, offsets, sh in sharded_pieces(chunks, mapping):
+        for entry, offsets, sh in sharded_pieces(base_weights_of(chunks), mapping):
             if head == "init" and entry.key == HEAD_KEY:
                 continue  # the value head stays as built
             shape = tuple(sh.local_shape)
@@ -186,14 +191,13 @@ def load_weights(
     that holds adapters is refused (megatron/checkpointing.py, load_model_weights).
     """
     path = Path(path)
-    if has_adapters(chunks):  # base weights under LoRA adapters: the adapters stay as built
-        chunks = [_WithoutAdapters(chunk) for chunk in chunks]
     if is_hf_dir(path):
         load_hf_weights(chunks, model_config, path, value_head=value_head, head=head)
         return {"hf_config": json.loads((path / "config.json").read_text())}
     if is_megatron_dir(path):
         _check_head_mode(chunks, value_head, head)
         check_megatron_head(path, model_config, value_head, head)
+        chunks = base_weights_of(chunks)  # LoRA adapters stay as built
         if head == "init":
             chunks = [_WithoutHead(chunk) for chunk in chunks]
         return checkpointing.load_model_weights(chunks, path, model_config)
