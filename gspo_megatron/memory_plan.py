@@ -114,8 +114,8 @@ def lora_layer_params(
     model: ModelConfig, lora: LoRASettings, tp: int = 1, ep: int = 1, etp: int = 1
 ) -> tuple[int, int]:
     """(dense, expert) LoRA adapter parameters of one decoder layer on one rank
-    (megatron/lora.py: a column-parallel layer's B and a row-parallel layer's A are split
-    like the weight, the other factor is whole)."""
+    (as the megatron package shards them: a column-parallel layer's B and a row-parallel layer's
+    A split like the weight, the other factor whole)."""
     r, h, d = lora.rank, model.hidden_size, model.head_dim
     targets = resolve_targets(lora.targets, model.is_moe)
     nq, nkv = model.num_attention_heads, model.num_key_value_heads
