@@ -53,6 +53,7 @@ class RolloutBatch:
     advantages: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # [groups, G]
     samples: list[TrainSample] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    train_version: int = 0  # the weight version that trains on it (the step before it)
 
     def flat(self) -> list[RolloutSample]:
         return [s for group in self.groups for s in group]
@@ -127,6 +128,8 @@ class RolloutCollector:
         self.scorer = scorer
         self.episodes = episodes
         self.reward_model = reward_model
+        # Rollbacks so far (stability/rollback.py): each draws the seeds of a new timeline.
+        self.timeline = 0
         self.pipeline = None
         if settings.ahead and sampler is not None:
             self.pipeline = RolloutPipeline(
@@ -187,7 +190,7 @@ class RolloutCollector:
 
     def sampling_params(self, step: int, round_: int) -> SamplingParams:
         """Sampling for the batch that trains step `step` + 1 (refill round `round_` of it)."""
-        seed = derive_seed(self.settings.seed, step, round_)
+        seed = derive_seed(self.settings.seed, step, round_, self.timeline)
         return dataclasses.replace(self.settings.sampling, seed=seed)
 
     def collect(self, step: int) -> RolloutBatch:
@@ -217,7 +220,9 @@ class RolloutCollector:
             stats["sampling/refill_rounds"] = float(rounds)
             batch = _select(kept, torch.arange(min(wanted, len(kept.groups))))
         elif s.dynamic_sampling == "dupo":
-            generator = torch.Generator().manual_seed(s.seed * 7919 + step)
+            generator = torch.Generator().manual_seed(
+                s.seed * 7919 + step + self.timeline * 15_485_863
+            )
             fill = dupo_fill_indices(batch.rewards, num_groups=wanted, generator=generator)
             batch = _select(batch, fill)  # empty when no group is informative, as with DAPO
         stats.update(_generation_metrics(generated))
@@ -225,6 +230,7 @@ class RolloutCollector:
             stats["time/env"] = self.episodes.take_env_time()
         stats["sampling/groups_used"] = float(len(batch.groups))
         batch.stats.update(stats)
+        batch.train_version = step
         return batch
 
     def _generate(self, step: int, prompts: list[Prompt], round_: int) -> RolloutBatch:
@@ -334,6 +340,16 @@ class RolloutCollector:
     def fault_metrics(self) -> dict[str, float]:
         return self.driver.fault_metrics()
 
+    def set_max_staleness(self, bound: int) -> None:
+        """A new rollout.max_staleness (the mismatch budget's remedy lower_staleness): the
+        batches generated ahead under the old bound are abandoned and generate again."""
+        if bound == self.settings.max_staleness:
+            return
+        self.settings = dataclasses.replace(self.settings, max_staleness=bound)
+        if self.pipeline is not None:
+            self.rewind(self.sampler_state())
+            self.pipeline.max_staleness = bound
+
     def sampler_state(self) -> dict:
         """The sampler as a checkpoint records it: before any batch generated ahead."""
         if self.pipeline is not None:
@@ -353,9 +369,11 @@ class RolloutCollector:
         self.driver.engine.close()
 
 
-def derive_seed(seed: int, step: int, salt: int) -> int:
-    """Per-step seeds derived from the run seed (resumed runs draw the same ones)."""
-    return (seed * 1_000_003 + (step + 1) * 7919 + salt * 104_729) % (2**31 - 1)
+def derive_seed(seed: int, step: int, salt: int, timeline: int = 0) -> int:
+    """Per-step seeds derived from the run seed (resumed runs draw the same ones); `timeline`:
+    the rollbacks so far, each of which draws new ones."""
+    mixed = seed * 1_000_003 + (step + 1) * 7919 + salt * 104_729 + timeline * 15_485_863
+    return mixed % (2**31 - 1)
 
 
 def _select(batch: RolloutBatch, index: torch.Tensor) -> RolloutBatch:

@@ -271,6 +271,89 @@ class LoggingSection:
 
 
 @dataclass
+class MismatchBudgetSection:
+    """`stability.mismatch_budget`: how much rollout/trainer mismatch a run tolerates, and what
+    it does past that (docs/STABILITY.md, "The mismatch budget").
+
+    k3_kl: the mean over `window` steps of mismatch/k3_kl (KL(rollout || trainer) per token, on
+    the tokens the rollout engine sampled; 0 = not budgeted). route_flips: the mean over `window`
+    steps of moe/route_flips (the fraction of tokens whose experts differ between the rollout
+    engine and the trainer, over the MoE layers; 0 = not budgeted). remedy, when either is
+    exceeded: warn (a line and stability/mismatch_over_budget) | mis (turn on algorithm.mismatch
+    =mis at algorithm.mismatch_level, once) | lower_staleness (rollout.max_staleness - 1, down
+    to 1) | stop (a checkpoint, then a stop). After an action the window starts again.
+    """
+
+    k3_kl: float = bounded(0.0, ge=0)
+    route_flips: float = bounded(0.0, ge=0, le=1)
+    window: int = bounded(10, ge=1)
+    remedy: str = choice("warn", "mis", "lower_staleness", "stop")
+
+
+@dataclass
+class SentinelSection:
+    """`stability.sentinel`: watch the run for a collapse and roll back to the newest healthy
+    checkpoint (docs/STABILITY.md, "The collapse sentinel").
+
+    enabled: act (roll back) when it fires; false still measures and logs what it would do.
+    Signals, each against its exponential moving average over `window` steps (updated only while
+    no signal is active), evaluated after `warmup_steps` steps:
+    reward_drop: reward/mean below its moving average by more than this (reward units), for
+    reward_patience steps in a row (0 = off). entropy_fraction: actor/entropy below this fraction
+    of its moving average, for entropy_patience steps (0 = off). grad_norm_factor: the step's
+    largest pre-clipping gradient norm (actor/grad_norm_max) above this multiple of its moving
+    average, for grad_norm_patience steps (0 = off). nonfinite_patience: steps in a row with a
+    non-finite loss, gradient (skipped optimizer steps), entropy or reward (0 = off; from step
+    1). on_mismatch_budget: the mismatch budget exceeded is a signal too.
+    remedy after a rollback: skip_window_lower_lr (the prompts drawn since the checkpoint are
+    skipped and the policy's learning rate is multiplied by lr_factor for lr_steps steps) |
+    skip_window | lower_lr | resample (the same prompts again). Every rollback also draws new
+    sampling seeds. max_rollbacks: rollbacks in one run directory; one more firing stops it.
+    """
+
+    enabled: bool = True
+    window: int = bounded(20, ge=2)
+    warmup_steps: int = bounded(20, ge=0)
+    reward_drop: float = bounded(0.2, ge=0)
+    reward_patience: int = bounded(5, ge=1)
+    entropy_fraction: float = bounded(0.1, ge=0, lt=1)
+    entropy_patience: int = bounded(5, ge=1)
+    grad_norm_factor: float = bounded(10.0, gt=1, special=(0,))
+    grad_norm_patience: int = bounded(3, ge=1)
+    nonfinite_patience: int = bounded(2, ge=0)
+    on_mismatch_budget: bool = False
+    remedy: str = choice("skip_window_lower_lr", "skip_window", "lower_lr", "resample")
+    lr_factor: float = bounded(0.5, gt=0, lt=1)
+    lr_steps: int = bounded(50, ge=1)
+    max_rollbacks: int = bounded(3, ge=1)
+
+    @property
+    def lowers_lr(self) -> bool:
+        return self.remedy in ("skip_window_lower_lr", "lower_lr")
+
+    @property
+    def skips_window(self) -> bool:
+        return self.remedy in ("skip_window_lower_lr", "skip_window")
+
+
+@dataclass
+class StabilitySection:
+    """`stability`: guardrails, telemetry thresholds, the mismatch budget and the collapse
+    sentinel (docs/STABILITY.md).
+
+    allow_clip_scale_mismatch: run a loss whose clip range is at the other scale than the ratio
+    it clips (a sequence-level ratio with clip >= 0.01, a token-level one below it), which is
+    otherwise refused. mismatch_token_threshold: a token counts in
+    mismatch/tokens_past_threshold when its rollout and trainer log-probs differ by more.
+    """
+
+    allow_clip_scale_mismatch: bool = False
+    mismatch_token_threshold: float = bounded(0.2, gt=0)
+    mismatch_budget: MismatchBudgetSection = field(default_factory=MismatchBudgetSection)
+    sentinel: SentinelSection = field(default_factory=SentinelSection)
+
+
+@dataclass
 class RunConfig:
     """The whole run. seed: changes every random choice of the run (initialisation, data order,
     sampling)."""
@@ -290,6 +373,7 @@ class RunConfig:
     engine: EngineSettings = field(default_factory=EngineSettings)
     lora: LoRASettings = field(default_factory=LoRASettings)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    stability: StabilitySection = field(default_factory=StabilitySection)
 
     @property
     def decay_steps(self) -> int | None:
@@ -565,6 +649,8 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
     _check_lora(cfg, model)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
+    _check_clip_scale(cfg)
+    _check_stability(cfg, model)
     rollout_backend(rollout.engine).check(cfg)
     _check_resume(trainer.resume)
     if alg.overlong_penalty_length and not 0 < alg.overlong_penalty_cache <= (
@@ -744,7 +830,114 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
             raise ConfigError(f"lora.rank={lora.rank} with {reason} (docs/LORA.md)")
 
 
-def _check_mismatch(alg: AlgorithmSection) -> None:
+def _check_clip_scale(cfg: RunConfig) -> None:
+    """A clip range at the other scale than the ratio the loss clips (docs/STABILITY.md,
+    "Guardrails"), unless stability.allow_clip_scale_mismatch says so."""
+    from gspo_megatron.algorithms.losses import clip_scale_problem
+
+    alg = cfg.algorithm
+    problem = clip_scale_problem(alg.loss, alg.loss_hparams(cfg.rollout.max_new_tokens))
+    if problem and not cfg.stability.allow_clip_scale_mismatch:
+        key, why = problem
+        raise ConfigError(
+            f"algorithm.hparams.{key}={why}. Set the loss's range, or "
+            "stability.allow_clip_scale_mismatch=true to run it anyway"
+        )
+
+
+def _check_stability(cfg: RunConfig, model: ModelConfig) -> None:
+    """The mismatch budget and the sentinel against what the run measures and can change."""
+    budget, sentinel, alg = cfg.stability.mismatch_budget, cfg.stability.sentinel, cfg.algorithm
+    prefix = "stability.mismatch_budget"
+    if budget.k3_kl and alg.old_logprobs == "rollout":
+        raise ConfigError(
+            f"{prefix}.k3_kl compares the rollout's log-probs with the trainer's old-policy "
+            "forward, which algorithm.old_logprobs=rollout does not run: use "
+            "algorithm.old_logprobs=recompute"
+        )
+    if budget.route_flips:
+        _check_route_flips_measured(cfg, model, f"{prefix}.route_flips")
+    if budget.remedy != "warn" and not (budget.k3_kl or budget.route_flips):
+        raise ConfigError(
+            f"{prefix}.remedy={budget.remedy} has no budget to act on: set {prefix}.k3_kl or "
+            f"{prefix}.route_flips"
+        )
+    if budget.remedy == "mis":
+        if alg.old_logprobs == "rollout":
+            raise ConfigError(
+                f"{prefix}.remedy=mis needs the trainer's own old log-probs to compare with the "
+                "rollout's: set algorithm.old_logprobs=recompute"
+            )
+        if alg.mismatch != "none":
+            raise ConfigError(
+                f"{prefix}.remedy=mis with algorithm.mismatch={alg.mismatch}: a correction is "
+                "already on; use remedy warn, or algorithm.mismatch=none"
+            )
+        _check_mismatch(dataclasses.replace(alg, mismatch="mis"), f"{prefix}.remedy")
+    if budget.remedy == "lower_staleness":
+        if cfg.rollout.mode == "sync":
+            raise ConfigError(
+                f"{prefix}.remedy=lower_staleness with rollout.mode=sync: synchronous rollouts "
+                "are never stale; use one_step_off or async, or another remedy"
+            )
+        if cfg.rollout.max_staleness < 2:
+            raise ConfigError(
+                f"{prefix}.remedy=lower_staleness with rollout.max_staleness="
+                f"{cfg.rollout.max_staleness}: it is already the least rollout.mode="
+                f"{cfg.rollout.mode} allows"
+            )
+    if sentinel.on_mismatch_budget and not (budget.k3_kl or budget.route_flips):
+        raise ConfigError(
+            f"stability.sentinel.on_mismatch_budget needs a budget: set {prefix}.k3_kl or "
+            f"{prefix}.route_flips"
+        )
+    if sentinel.entropy_fraction and not cfg.engine.entropy_metric:
+        raise ConfigError(
+            "stability.sentinel.entropy_fraction watches actor/entropy, which "
+            "engine.entropy_metric=false turns off: set stability.sentinel.entropy_fraction=0 "
+            "or engine.entropy_metric=true"
+        )
+    defaults = SentinelSection()
+    if not sentinel.lowers_lr:
+        for name in ("lr_factor", "lr_steps"):
+            if getattr(sentinel, name) != getattr(defaults, name):
+                raise ConfigError(
+                    f"stability.sentinel.{name} is set but stability.sentinel.remedy="
+                    f"{sentinel.remedy} does not lower the learning rate"
+                )
+    trainer = cfg.trainer
+    if sentinel.enabled and not (trainer.save_every or trainer.save_every_minutes):
+        raise ConfigError(
+            "stability.sentinel.enabled rolls back to checkpoints, and trainer.save_every=0 with "
+            "trainer.save_every_minutes=0 saves none before the end: set one, or "
+            "stability.sentinel.enabled=false"
+        )
+
+
+def _check_route_flips_measured(cfg: RunConfig, model: ModelConfig, key: str) -> None:
+    """moe/route_flips needs a MoE policy, the rollout's routes and the trainer's own."""
+    alg = cfg.algorithm
+    if not model.is_moe:
+        raise ConfigError(f"{key} needs a Mixture-of-Experts model")
+    if alg.routing_replay == "r3":
+        raise ConfigError(
+            f"{key} with algorithm.routing_replay=r3: the trainer routes with the rollout's "
+            "experts, so no route differs (moe/route_flips is 0); budget mismatch/k3_kl instead"
+        )
+    backend = rollout_backend(cfg.rollout.engine)
+    if not backend.records_routes(cfg):
+        raise ConfigError(f"{key} needs the rollout engine's routes: set {backend.route_setting}")
+    if alg.routing_replay != "r2" and not (
+        alg.old_logprobs == "recompute" and cfg.logging.moe_route_metrics
+    ):
+        raise ConfigError(
+            f"{key} needs the trainer's routes from the old-policy forward: set "
+            "algorithm.old_logprobs=recompute with logging.moe_route_metrics=true, or "
+            "algorithm.routing_replay=r2"
+        )
+
+
+def _check_mismatch(alg: AlgorithmSection, key: str = "algorithm.mismatch") -> None:
     from gspo_megatron.algorithms.mismatch import mismatch_support
 
     if alg.mismatch != "none" and alg.old_logprobs == "rollout":
@@ -754,8 +947,11 @@ def _check_mismatch(alg: AlgorithmSection) -> None:
         )
     problem = mismatch_support(alg.loss, alg.mismatch, alg.mismatch_level)
     if problem:
+        what = f"algorithm.mismatch={alg.mismatch}"
+        if key != "algorithm.mismatch":
+            what = f"{key}={alg.mismatch} would turn on algorithm.mismatch={alg.mismatch}"
         raise ConfigError(
-            f"algorithm.mismatch={alg.mismatch} at algorithm.mismatch_level="
+            f"{what} at algorithm.mismatch_level="
             f"{alg.mismatch_level} with algorithm.loss={alg.loss}: {problem}"
         )
 

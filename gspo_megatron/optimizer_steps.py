@@ -65,12 +65,17 @@ def run_optimizer_steps(
 
 def merge_optimizer_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
     """One RL step's optimizer steps as one record: means (extremes of *_max / *_min), the step
-    and skip counts, and the last learning rate."""
+    and skip counts, the last learning rate, and grad_norm_max: the largest gradient norm (NaN
+    when any was not finite: a skipped step)."""
     merged = {}
-    for key in per_step[0]:
+    keys = dict.fromkeys(k for m in per_step for k in m)  # a bucket may be in some steps only
+    for key in keys:
         values = [m[key] for m in per_step if key in m]
         combine = max if key.endswith("_max") else min if key.endswith("_min") else np.mean
         merged[key] = float(combine(values))
+    if "grad_norm" in merged:
+        norms = np.array([m["grad_norm"] for m in per_step if "grad_norm" in m])
+        merged["grad_norm_max"] = float(norms.max() if np.isfinite(norms).all() else np.nan)
     merged["optimizer_steps"] = float(len(per_step))
     merged["skipped_steps"] = float(sum(m.get("skipped", 0.0) for m in per_step))
     merged.pop("skipped", None)

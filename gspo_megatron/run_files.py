@@ -2,12 +2,15 @@
 
     run_config.json            the resolved configuration (a run directory holds one run)
     metrics.jsonl              one record per RL step, appended and flushed as each step ends
-    metrics.superseded.jsonl   records moved aside on resume (steps after the resumed one)
+    metrics.superseded.jsonl   records moved aside on resume or rollback (steps after the
+                               resumed one)
     run.lock                   held (flock) by the run's writer while it runs: who it is
     tensorboard/               the same metrics for TensorBoard
-    eval/step_NNNNNN/          per-problem records of each evaluation
+    eval/step_NNNNNN/          per-problem records of each evaluation (eval/superseded/: moved
+                               aside like the metrics)
     checkpoints/step_NNNNNN/   engine checkpoints (gspo_megatron.megatron.checkpointing)
     checkpoints/superseded/    checkpoints moved aside: damaged ones, or newer than a resume point
+    rollbacks.json             the collapse sentinel's rollbacks (gspo_megatron.stability)
     train.rankR.log            each rank's log (Hydra's job logging)
     sglang_memory.json         GPU memory the run's SGLang servers hold released (rank 0 writes
                                it; gspo_megatron/rollout/sglang/memory.py)
@@ -42,7 +45,7 @@ import torch.distributed as dist
 
 from gspo_megatron import files
 from gspo_megatron.checkpoint import manifest
-from gspo_megatron.checkpoint.meta import CheckpointError, step_of
+from gspo_megatron.checkpoint.meta import CheckpointError, read_meta, step_of
 from gspo_megatron.config import ConfigError, RunConfig, to_dict
 from gspo_megatron.notes import note
 
@@ -51,6 +54,7 @@ METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_METRICS_FILE = "metrics.superseded.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 SUPERSEDED_DIR = "superseded"
+ROLLBACKS_FILE = "rollbacks.json"
 EVAL_DIR = "eval"
 LOCK_FILE = "run.lock"
 # Keys that may change when a run is resumed (length, schedule of outputs, resume mode, memory
@@ -65,6 +69,9 @@ _RESUMABLE_CHANGES = {
     "trainer.keep_last",
     "trainer.offload_during_rollout",
     "logging",
+    # How the run watches itself: the sentinel may be turned on for a run that degrades (its
+    # state is kept either way) or off; it changes nothing until it fires.
+    "stability.sentinel",
     # Where the servers are is deployment, not the experiment: a requeued job may find them on
     # other nodes.
     "rollout.sglang.urls",
@@ -197,7 +204,7 @@ class RunDirectoryInUse(RunFileError):
 
 
 def _resumable(key: str) -> bool:
-    return key in _RESUMABLE_CHANGES or key.split(".")[0] in _RESUMABLE_CHANGES
+    return any(key == r or key.startswith(f"{r}.") for r in _RESUMABLE_CHANGES)
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -264,8 +271,15 @@ class RunCheckpoints:
         return target
 
     def _rotate(self, newest: int) -> None:
+        """Delete the oldest beyond keep_last, but never the newest checkpoint saved healthy:
+        the collapse sentinel's rollback target while the newer ones are suspect."""
         older = [(s, p) for s, p in checkpoint_dirs(self.run_dir) if s <= newest]
+        health = {s: _health(p) for s, p in older}
+        healthy = [s for s, h in health.items() if h is None or h.get("healthy", True)]
+        keep = max(healthy, default=None)
         for step, path in older[: -self.keep_last]:
+            if step == keep:
+                continue
             # Renamed before it is deleted: a kill in between leaves a temporary (removed at
             # the next start), never a checkpoint with files missing under its name.
             doomed = files.temporary_path(path)
@@ -335,6 +349,77 @@ class RunCheckpoints:
             if s > step:
                 reason = failures.get(newer, f"newer than step {step}, where the run resumed")
                 self._supersede([newer], reason)
+
+    # -- rollbacks (gspo_megatron.stability.rollback) ------------------------------------------
+
+    def rollbacks(self) -> list[dict[str, Any]]:
+        """The rollback history (rollbacks.json; [] when there is none), rank 0's on every rank."""
+        path = self.run_dir / ROLLBACKS_FILE
+        records = None
+        if _is_rank0():
+            try:
+                records = json.loads(path.read_text()) if path.is_file() else []
+            except (OSError, ValueError) as err:
+                records = f"{path}: unreadable ({err}); move it away to forget the rollbacks"
+        records = _broadcast(records)
+        if isinstance(records, str):
+            raise RunFileError(records)
+        return records
+
+    def save_rollbacks(self, records: list[dict[str, Any]]) -> None:
+        """Replace the rollback history (one writer, rank 0; atomically)."""
+        if _is_rank0():
+            path = self.run_dir / ROLLBACKS_FILE
+            try:
+                files.write_atomically(path, json.dumps(records, indent=1, sort_keys=True))
+            except OSError as err:
+                raise RunFileError(
+                    f"{path}: could not record the rollback ({err.strerror or err})"
+                ) from err
+        dist.barrier()
+
+    def rollback_target(self, engine, allowed, companions: dict | None = None):
+        """(step, directory name) of the newest checkpoint with `allowed(step, health)` (health:
+        what the trainer recorded when saving it, None for checkpoints of earlier versions)
+        that validates on every rank; None when there is none."""
+        from gspo_megatron.megatron import checkpointing
+
+        candidates = _broadcast(
+            [(s, p, _health(p)) for s, p in checkpoint_dirs(self.run_dir)] if _is_rank0() else None
+        )
+        for step, path, health in reversed(candidates):
+            if not allowed(step, health):
+                continue
+            try:
+                checkpointing.validate(engine, path, companions=companions)
+            except CheckpointError as err:
+                note(f"checkpoint {path.name} cannot be rolled back to: {err}")
+                continue
+            self._intact[step] = path
+            return step, path.name
+        return None
+
+    def roll_back(
+        self,
+        engine,
+        step: int,
+        *,
+        reason: str,
+        companions: dict | None = None,
+        validate: bool = True,
+    ) -> dict[str, Any]:
+        """Load the checkpoint of `step` (validated first unless `validate` is false: it just
+        was) and move the newer ones aside with `reason`; returns its trainer state."""
+        from gspo_megatron.megatron import checkpointing
+
+        path = self.path(step)
+        meta = checkpointing.load_engine(engine, path, check=validate, companions=companions)
+        self._intact[step] = path
+        for s, newer in _broadcast(checkpoint_dirs(self.run_dir)):
+            if s > step:
+                self._intact.pop(s, None)
+                self._supersede([newer], reason)
+        return meta["extra"]
 
     def _supersede(self, paths: list[Path], reason: str) -> None:
         if _is_rank0():
@@ -423,7 +508,16 @@ class MetricsLogger:
         """Keep the records of steps 1..`step`; move later ones (a killed run's last steps, or
         a future the resumed run no longer follows) and unreadable lines to
         metrics.superseded.jsonl. Nothing is dropped."""
-        if not self.enabled or not self.path.is_file():
+        if not self.enabled:
+            return
+        self._supersede_eval_records(step)
+        if self.tb is not None:
+            # TensorBoard hides the events of steps after `step` written before this point.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb.close()
+            self.tb = SummaryWriter(log_dir=self.tb.log_dir, purge_step=step + 1)
+        if not self.path.is_file():
             return
         kept, moved = [], []
         for line in self.path.read_text().splitlines():
@@ -447,6 +541,21 @@ class MetricsLogger:
         if self.bar is not None:
             self.bar.n = step
             self.bar.refresh()
+
+    def _supersede_eval_records(self, step: int) -> None:
+        """eval/step_N of steps after `step` to eval/superseded/step_N.<time>."""
+        root = self.path.parent / EVAL_DIR
+        later = (
+            [p for p in root.glob("step_*") if (step_of(p) or 0) > step] if root.is_dir() else []
+        )
+        if not later:
+            return
+        side = root / SUPERSEDED_DIR
+        side.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for path in later:
+            os.replace(path, side / f"{path.name}.{stamp}")
+        note(f"moved the evaluation records of {len(later)} step(s) after step {step} to {side}")
 
     def summary(self, last: dict[str, float]) -> None:
         if not self.enabled:
@@ -501,6 +610,15 @@ def _unused(path: Path) -> Path:
 
 def _reason(err: OSError) -> str:
     return err.strerror or errno.errorcode.get(err.errno or 0, "") or str(err)
+
+
+def _health(path: Path) -> dict[str, Any] | None:
+    """The health the trainer recorded in a checkpoint (None: none recorded, or unreadable)."""
+    try:
+        health = read_meta(path).get("extra", {}).get("health")
+    except CheckpointError:
+        return None
+    return health if isinstance(health, dict) else None
 
 
 def _plain(value: Any) -> Any:

@@ -5,7 +5,10 @@
     the tokens before a partial rollout's last weight swap; a response with no token is left out;
   * old log-probs (the policy's forward, or the rollout's), the routes the forward recorded (R2)
     and the expert-load metrics, the reference's log-probs for the KL term;
-  * the train/rollout mismatch metrics and TIS / MIS weights (algorithms/mismatch.py);
+  * the train/rollout mismatch metrics (k3 KL, tokens past a threshold, route flips per layer
+    between the rollout engine's experts and the trainer's) and TIS / MIS weights
+    (algorithms/mismatch.py);
+  * each token's version lag (the clip fraction is split by it);
   * with algorithm.advantage=gae, PPO's token advantages: the critic values the batch and GAE
     runs over the trained tokens (algorithms/gae.py).
 
@@ -15,6 +18,7 @@ gspo_megatron.megatron.training_engine.TrainingEngine, or the tests' fakes).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +35,7 @@ from gspo_megatron.algorithms import (
     kl_estimate,
     masked_whiten,
     overlong_filter_mask,
+    rollout_mismatch_sums,
     token_rewards,
 )
 from gspo_megatron.algorithms.losses import get_policy_loss
@@ -63,6 +68,7 @@ class StepInputSettings:
     whiten_advantages: bool
     kl_reward_coef: float
     kl_estimator: str
+    mismatch_token_threshold: float
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> StepInputSettings:
@@ -85,6 +91,7 @@ class StepInputSettings:
             whiten_advantages=alg.whiten_advantages,
             kl_reward_coef=alg.kl_reward_coef,
             kl_estimator=alg.kl_estimator,
+            mismatch_token_threshold=cfg.stability.mismatch_token_threshold,
         )
 
 
@@ -97,6 +104,11 @@ class StepInputs:
         self.policy = policy
         self.reference = reference
         self.critic = critic
+
+    def use_mismatch(self, mode: str) -> None:
+        """Switch the train/rollout correction (the mismatch budget's remedy mis turns MIS on);
+        config.py checked that the loss takes it at algorithm.mismatch_level."""
+        self.settings = dataclasses.replace(self.settings, mismatch=mode)
 
     def add_advantages(self, batch: RolloutBatch) -> None:
         """Group advantages [groups, G]; with GAE zeros here, and each token's own advantage
@@ -122,6 +134,7 @@ class StepInputs:
                 rollout_logprobs=list(sample.logprobs),
                 loss_mask=mask,
                 routed_experts=sample.routed_experts if s.routing_replay == "r3" else None,
+                version_lags=[batch.train_version - v for v in sample.versions()],
             )
             for sample, adv, mask in zip(
                 flat, batch.advantages.flatten().tolist(), masks, strict=True
@@ -132,10 +145,11 @@ class StepInputs:
         if not samples:
             batch.samples = []
             return
-        self._old_logprobs(samples, batch)
+        self._old_logprobs(samples, [x.routed_experts for x in flat if x.response_ids], batch)
         # The tokens with a rollout log-prob: all but an episode's observations.
         sampled = [x.loss_mask for x in flat if x.response_ids]
-        batch.stats.update(_mismatch_stats(samples, sampled))
+        if s.old_logprobs == "recompute":
+            batch.stats.update(_mismatch_stats(samples, sampled, s.mismatch_token_threshold))
         if s.mismatch != "none":
             self._mismatch_weights(samples, sampled, batch)
         if self.reference is not None:
@@ -172,8 +186,14 @@ class StepInputs:
             )
         return masks
 
-    def _old_logprobs(self, samples: list[TrainSample], batch: RolloutBatch) -> None:
-        """π_old (recomputed, or the rollout's), the routes and the expert-load metrics."""
+    def _old_logprobs(
+        self,
+        samples: list[TrainSample],
+        rollout_routes: list[np.ndarray | None],
+        batch: RolloutBatch,
+    ) -> None:
+        """π_old (recomputed, or the rollout's), the routes, the expert-load metrics, and the
+        route flips between the rollout engine's experts and the old-policy forward's."""
         s = self.settings
         model = self.policy.model_config
         recompute = s.old_logprobs == "recompute"
@@ -190,6 +210,7 @@ class StepInputs:
                     x.old_logprobs = lp.tolist()
             if result.routes is not None:
                 batch.stats.update(_expert_load(result.routes, model.num_experts))
+                batch.stats.update(_route_flips(rollout_routes, result.routes))
                 if s.routing_replay != "r3":
                     for x, routes in zip(samples, result.routes, strict=True):
                         x.routed_experts = routes
@@ -299,25 +320,45 @@ def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mismatch_stats(
-    samples: Sequence[TrainSample], sampled: Sequence[list[int] | None]
+    samples: Sequence[TrainSample], sampled: Sequence[list[int] | None], threshold: float
 ) -> dict[str, float]:
     """Rollout-engine vs training-engine log-probs of the same tokens (old policy), over the
     tokens the engine sampled (`sampled`: None for all; an episode's observations have no
-    rollout log-prob)."""
-    diffs = [
-        np.abs(np.asarray(s.rollout_logprobs) - np.asarray(s.old_logprobs))[
-            slice(None) if m is None else np.asarray(m) != 0
-        ]
-        for s, m in zip(samples, sampled, strict=True)
-        if s.old_logprobs is not None and s.rollout_logprobs is not None
-    ]
-    flat = np.concatenate(diffs) if diffs else np.zeros(0)
-    if not flat.size:
+    rollout log-prob): k3 KL, tokens past `threshold`, absolute differences."""
+    rollout_lp, mask = _pad([s.rollout_logprobs for s in samples])
+    trainer_lp, _ = _pad([s.old_logprobs for s in samples])
+    if any(m is not None for m in sampled):
+        rows = [m or [1] * len(s.response_ids) for s, m in zip(samples, sampled, strict=True)]
+        mask &= _pad(rows)[0] != 0
+    if not mask.any():
         return {}
-    return {
-        "mismatch/logprob_abs_diff_mean": float(flat.mean()),
-        "mismatch/logprob_abs_diff_max": float(flat.max()),
-    }
+    sums = rollout_mismatch_sums(rollout_lp, trainer_lp, mask, threshold)
+    return {f"mismatch/{k}": v for k, v in finalize_metrics(sums).items()}
+
+
+def _route_flips(
+    rollout_routes: Sequence[np.ndarray | None], trainer_routes: Sequence[np.ndarray]
+) -> dict[str, float]:
+    """moe/route_flips (all layers) and moe/route_flips/layer_<L>: the fraction of consumed
+    tokens whose experts in layer L differ between the rollout engine and the trainer's
+    old-policy forward (what its routers used: under R3, the replayed experts). Nothing when the
+    rollout engine reported no routes."""
+    if not rollout_routes or any(r is None for r in rollout_routes):
+        return {}
+    layers = trainer_routes[0].shape[1]
+    changed = np.zeros(layers)
+    tokens = 0
+    for given, used in zip(rollout_routes, trainer_routes, strict=True):
+        n = min(len(given), len(used))
+        a = np.sort(np.asarray(given[:n]).reshape(n, layers, -1), axis=-1)
+        b = np.sort(np.asarray(used[:n]).reshape(n, layers, -1).astype(a.dtype), axis=-1)
+        changed += (a != b).any(-1).sum(0)
+        tokens += n
+    sums = {"route_flips/sum": changed.sum(), "route_flips/count": float(tokens * layers)}
+    for layer in range(layers):
+        sums[f"route_flips/layer_{layer}/sum"] = changed[layer]
+        sums[f"route_flips/layer_{layer}/count"] = float(tokens)
+    return {f"moe/{k}": v for k, v in finalize_metrics(sums).items()}
 
 
 def _expert_load(routes: Sequence[np.ndarray], num_experts: int) -> dict[str, float]:

@@ -2,8 +2,9 @@
 train -> sync weights -> log, evaluate, checkpoint. Every rank runs this loop; collectives happen
 inside the training and rollout engines, and rank 0 scores, logs and writes files. The phases'
 work is elsewhere: rollouts, rewards and dynamic sampling in collector.py, the step's inputs in
-step_inputs.py, benchmarks in evaluation/benchmarks.py; the Trainer orders them, checkpoints,
-resumes, and stops on signals.
+step_inputs.py, benchmarks in evaluation/benchmarks.py, the mismatch budget, the collapse
+sentinel and rollbacks in stability/; the Trainer orders them, checkpoints, resumes, rolls back
+and stops on signals.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.base import RolloutEngine, RolloutUnavailableError, WeightSource
 from gspo_megatron.run_health import RunHealth
 from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.stability import (
+    BudgetAction,
+    Firing,
+    RollbackRecord,
+    Rollbacks,
+    StabilityError,
+    StabilityMonitor,
+)
 from gspo_megatron.step_inputs import StepInputs, StepInputSettings
 
 
@@ -33,8 +42,8 @@ class Trainer:
     with megatron engines and real processes (components.build_trainer) or with fakes:
 
     engine / reference: `train_step`, `forward`, `layout.dp`, `model_config`, `current_lr()`,
-        `close()`, and `offload` / `reload` with trainer.offload_during_rollout
-        (gspo_megatron.megatron.training_engine.TrainingEngine).
+        `set_lr_scale()`, `close()`, and `offload` / `reload` with
+        trainer.offload_during_rollout (gspo_megatron.megatron.training_engine.TrainingEngine).
     critic: PPO's value model with algorithm.advantage=gae (`forward` -> values,
         `train_value_step`, `close`, `offload` / `reload`); saved with the policy.
     rollout, weight_source: the rollout engine (rollout/base.py) and what it syncs weights
@@ -43,7 +52,8 @@ class Trainer:
     benchmarks: what `evaluate` runs (evaluation/benchmarks.py: build_benchmarks).
     ranks: this rank, rank 0's objects and votes (gspo_megatron.ranks).
     log: metrics sink (run_files.MetricsLogger: write, write_records, rewind, summary, close).
-    checkpoints: checkpoint store (run_files.RunCheckpoints: save, resume).
+    checkpoints: checkpoint store (run_files.RunCheckpoints: save, resume; for rollbacks
+        rollbacks, save_rollbacks, rollback_target, roll_back).
     watchdog: start/stop around the loop (peers.PeerWatchdog).
     """
 
@@ -87,11 +97,15 @@ class Trainer:
             kl_coef=cfg.algorithm.kl_coef,
             kl_estimator=cfg.algorithm.kl_estimator,
             entropy_coef=cfg.algorithm.entropy_coef,
+            max_new_tokens=cfg.rollout.max_new_tokens,
         )
         self.scorer, self.reward_model = scorer, reward_model
         self.benchmarks = list(benchmarks)
         self.ranks, self.log, self.files, self.watchdog = ranks, log, checkpoints, watchdog
         self.health = RunHealth(cfg)
+        self.stability = StabilityMonitor(cfg)
+        self.rollbacks = Rollbacks(cfg.stability.sentinel, checkpoints, log)
+        self._rolled_back: RollbackRecord | None = None  # marked in the next step's record
         self.step = 0
         self.stop_requested = False
         self._stop_signal: str | None = None  # the signal that asked for it, not yet logged
@@ -139,13 +153,20 @@ class Trainer:
                     self.log.write(self.step, last)  # the step trained: keep its record
                     self.save()
                     raise
+            watch = self.stability.observe(self.step, last)
+            last.update(watch.metrics | self._rollback_metrics())
             self.log.write(self.step, last)
             verdict = self.health.check(last)
-            save_now, self.stop_requested = self._agree_on_save_and_stop()
+            save_now, self.stop_requested, collapse = self._agree(watch.firing is not None)
             if verdict is not None:
                 if verdict.checkpoint_first:
                     self.save()
                 raise verdict.error
+            if collapse:
+                self.roll_back(watch.firing)
+                continue
+            if watch.budget is not None:
+                self.apply_budget(watch.budget)
             if save_now:
                 self.save()
         return last
@@ -202,12 +223,13 @@ class Trainer:
         """algorithm.num_minibatches optimizer steps over the shuffled batch (optimizer_steps.py);
         the critic's first, and only the critic's during critic.warmup_steps."""
         alg, critic = self.cfg.algorithm, self.cfg.critic
+        self.engine.set_lr_scale(self.rollbacks.lr_scale(self.step + 1))
         return run_optimizer_steps(
             batch.samples,
             self.engine,
             self.loss,
             num_minibatches=alg.num_minibatches,
-            shuffle_seed=derive_seed(self.cfg.seed, self.step, 101),
+            shuffle_seed=derive_seed(self.cfg.seed, self.step, 101, self.rollbacks.timeline),
             replay_routes=alg.routing_replay != "off",
             critic=self.critic,
             value_clip=critic.value_clip or None,
@@ -254,26 +276,107 @@ class Trainer:
         return {"critic": self.critic} if self.critic is not None else {}
 
     def save(self) -> None:
-        state = {"step": self.step, "sampler": self.collector.sampler_state()}
+        """A checkpoint of this step, with the trainer's state: the data position, the stability
+        monitor's state and the run's health when saved (the rollback target's test), and how
+        many rollbacks the run had then."""
+        state = {
+            "step": self.step,
+            "sampler": self.collector.sampler_state(),
+            "stability": self.stability.state_dict(),
+            "health": self.stability.health(),
+            "rollbacks": len(self.rollbacks.history),
+        }
         self.files.save(self.engine, self.step, state, companions=self._companions())
         self._last_save = time.monotonic()
 
     def resume(self) -> None:
+        """Per trainer.resume; a rollback a killed run left half done is completed first."""
+        self.rollbacks.load()
+        interrupted = self.rollbacks.interrupted()
+        if interrupted is not None and self.cfg.trainer.resume == "auto":
+            note(f"completing rollback {interrupted.index} ({interrupted.summary()})")
+            state = self.rollbacks.finish(
+                interrupted, self.engine, self._companions(), validate=True
+            )
+            self._restore(state, interrupted)
+            note(f"resumed at step {self.step}, rolled back")
+            return
+        if interrupted is not None:
+            self.rollbacks.abandon(interrupted, f"trainer.resume={self.cfg.trainer.resume}")
         state = self.files.resume(
             self.engine, self.cfg.trainer.resume, companions=self._companions()
         )
         if state is None:
             # Records of an earlier attempt that left no checkpoint are moved aside, not repeated.
             self.log.rewind(0)
+            self.collector.timeline = self.rollbacks.timeline
             note("starting from step 0")
             # Servers start with their launch weights, not necessarily the trainer's.
             self.collector.update_weights(0)
             return
-        self.step = int(state["step"])
-        self.collector.rewind(state["sampler"])
-        self.log.rewind(self.step)
+        self._restore(state, self.rollbacks.pending_for(state))
         note(f"resumed at step {self.step}")
+
+    def _restore(self, state: dict, rollback: RollbackRecord | None) -> None:
+        """The trainer's side of a loaded checkpoint (resume or rollback). `rollback`: the
+        rollback to this checkpoint whose remedy applies from here (its data position when it
+        skips the window)."""
+        self.step = int(state["step"])
+        skip_to = rollback.sampler if rollback is not None else None
+        self.collector.rewind(skip_to or state["sampler"])
+        self.collector.timeline = self.rollbacks.timeline
+        self.stability.load_state_dict(state.get("stability", {}))
+        self.apply_budget_state()
+        self.health = RunHealth(self.cfg)
+        self._rolled_back = rollback
+        self.log.rewind(self.step)
         self.collector.update_weights(self.step)
+
+    # -- stability ----------------------------------------------------------------------------
+
+    def roll_back(self, firing: Firing | None) -> None:
+        """The collapse sentinel fired: back to the newest healthy checkpoint saved before its
+        signals, with the remedy (stability/rollback.py); the loop goes on from there."""
+        firing = self.ranks.broadcast(firing)  # rank 0's, on every rank
+        if firing is None:
+            raise RuntimeError("the ranks' collapse sentinels disagree: rank 0 saw no firing")
+        record = self.rollbacks.start(
+            firing, self.engine, self._companions(), self.collector.sampler_state()
+        )
+        state = self.rollbacks.finish(record, self.engine, self._companions(), validate=False)
+        self._restore(state, record)
+
+    def apply_budget(self, action: BudgetAction) -> None:
+        """The mismatch budget's remedy (its line is already out)."""
+        if action.remedy == "stop":
+            self.save()
+            raise StabilityError(
+                f"{action.message}. A checkpoint of step {self.step} was written "
+                "(stability.mismatch_budget.remedy=stop)"
+            )
+        self.apply_budget_state()
+
+    def apply_budget_state(self) -> None:
+        """What the mismatch budget has changed so far (MIS on, the staleness bound), as its
+        state says: after a remedy, and after a checkpoint is loaded."""
+        budget = self.stability.budget
+        remedy = self.cfg.stability.mismatch_budget.remedy
+        if remedy == "mis":
+            self.inputs.use_mismatch("mis" if budget.mis_on else self.cfg.algorithm.mismatch)
+        if remedy == "lower_staleness":
+            self.collector.set_max_staleness(budget.max_staleness)
+
+    def _rollback_metrics(self) -> dict[str, float]:
+        """stability/rollbacks once there were any, and in the first record after a rollback
+        stability/rolled_back_from: the step it fired at (metrics.jsonl says where each
+        rollback happened)."""
+        out = {}
+        if self.rollbacks.history:
+            out["stability/rollbacks"] = float(len(self.rollbacks.history))
+        if self._rolled_back is not None:
+            out["stability/rolled_back_from"] = float(self._rolled_back.fired_at)
+            self._rolled_back = None
+        return out
 
     def _install_signal_handlers(self) -> dict[int, object]:
         """SIGTERM and SIGINT ask for a checkpoint and a stop after this step; returns the
@@ -296,11 +399,13 @@ class Trainer:
 
         return {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
 
-    def _agree_on_save_and_stop(self) -> tuple[bool, bool]:
-        """(save now, stop now), the same on every rank: one all-reduce of each rank's view.
+    def _agree(self, collapse: bool) -> tuple[bool, bool, bool]:
+        """(save now, stop now, roll back now), the same on every rank: one all-reduce of each
+        rank's view.
 
         A signal reaches some ranks before others, and only wall-clock time decides the
-        timed saves, so ranks vote; any rank's yes wins.
+        timed saves, so ranks vote; any rank's yes wins. `collapse`: this rank's collapse
+        sentinel fired (every rank's sees the same metrics; the vote makes it one decision).
         """
         if self._stop_signal is not None:
             logging.getLogger("gspo_megatron").info(
@@ -313,10 +418,10 @@ class Trainer:
             t.save_every_minutes > 0
             and time.monotonic() - self._last_save >= 60 * t.save_every_minutes
         )
-        save, stop = self.ranks.any(
-            [by_steps or by_time or self.stop_requested, self.stop_requested]
+        save, stop, collapse = self.ranks.any(
+            [by_steps or by_time or self.stop_requested, self.stop_requested, collapse]
         )
-        return save and not stop, stop
+        return save and not stop, stop, collapse
 
     def close(self) -> None:
         # The handlers hold this trainer (and so the model and its process groups): a process

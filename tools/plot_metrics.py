@@ -3,8 +3,11 @@
     python tools/plot_metrics.py outputs/run_a outputs/run_b --out plots/
 
 Writes one PNG per metric family (reward, clip fraction, KL, response length, route changes,
-evaluation, entropy, multi-turn episodes, PPO's critic), each with every run as a line.
-`--smooth N` averages over a trailing window.
+evaluation, entropy, multi-turn episodes, PPO's critic, and the stability telemetry: the
+rollout/trainer mismatch, route flips per layer, the clip fraction by version lag and by
+response length, and what the collapse sentinel watches), each with every run as a line.
+Rollbacks are dashed vertical lines at the step each run went back to. `--smooth N` averages
+over a trailing window.
 """
 
 from __future__ import annotations
@@ -31,7 +34,21 @@ FIGURES = {
     "entropy": ["actor/entropy"],
     "episodes": ["env/tool_call_rate", "env/turns_mean", "env/solved_with_tools"],
     "critic": ["critic/loss", "critic/explained_variance"],
+    "mismatch": ["mismatch/k3_kl", "mismatch/tokens_past_threshold"],
+    # the families below take every key with the prefix (per layer, per bucket)
+    "route_flips": ["moe/route_flips", "moe/replay_coverage", "moe/route_flips/layer_"],
+    "clip_by_lag": ["actor/clip_fraction_lag_"],
+    "clip_by_length": ["actor/clip_fraction_length_"],
+    "sentinel": [
+        "reward/mean",
+        "stability/reward_ema",
+        "actor/entropy",
+        "actor/grad_norm_max",
+        "stability/signals_active",
+    ],
 }
+# Keys ending in "_" or "/" in FIGURES stand for every logged key they start with.
+_ROLLED_BACK = "stability/rolled_back_from"
 
 
 def load_run(run_dir: Path) -> list[dict]:
@@ -59,6 +76,15 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def _expand(key: str, logged: set[str]) -> list[str]:
+    """`key` when it is logged; a prefix key (ending in "_" or "/"): every logged key it starts
+    with, numbers in order (layer_2 before layer_10)."""
+    if not key.endswith(("_", "/")):
+        return [key] if key in logged else []
+    found = [k for k in logged if k.startswith(key)]
+    return sorted(found, key=lambda k: (len(k), k))
+
+
 def _is_benchmark_accuracy(key: str) -> bool:
     return key.startswith("eval/") and key.rsplit("/", 1)[1].startswith(("avg@", "pass@"))
 
@@ -70,7 +96,7 @@ def plot(runs: dict[str, list[dict]], out_dir: Path, window: int) -> list[Path]:
     for figure, keys in FIGURES.items():
         if figure == "eval":
             keys = sorted(k for k in logged if _is_benchmark_accuracy(k))
-        present = [k for k in keys if k in logged]
+        present = [k for key in keys for k in _expand(key, logged)]
         if not present:
             continue
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.5), squeeze=False)
@@ -80,6 +106,10 @@ def plot(runs: dict[str, list[dict]], out_dir: Path, window: int) -> list[Path]:
                 if points:
                     steps, values = zip(*points, strict=True)
                     ax.plot(steps, smooth(list(values), window), label=label)
+            for records in runs.values():
+                for r in records:
+                    if _ROLLED_BACK in r:  # the first record after a rollback to step - 1
+                        ax.axvline(r["step"] - 1, color="grey", linestyle="--", linewidth=0.8)
             ax.set_title(key)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

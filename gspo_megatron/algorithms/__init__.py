@@ -26,8 +26,20 @@ from .losses import (
     sapo_gate,
     sum_loss_terms,
 )
-from .metrics import finalize_metrics, merge_metric_sums, metric_reduce_op, rollout_metrics
-from .mismatch import MISMATCH_MODES, MismatchCorrection, correct_mismatch, mismatch_support
+from .metrics import (
+    clip_buckets,
+    finalize_metrics,
+    merge_metric_sums,
+    metric_reduce_op,
+    rollout_metrics,
+)
+from .mismatch import (
+    MISMATCH_MODES,
+    MismatchCorrection,
+    correct_mismatch,
+    mismatch_support,
+    rollout_mismatch_sums,
+)
 from .sampling import (
     dapo_keep_indices,
     dupo_fill_indices,
@@ -47,6 +59,7 @@ __all__ = [
     "MismatchCorrection",
     "PolicyLossSpec",
     "ValueLossTerms",
+    "clip_buckets",
     "correct_mismatch",
     "dapo_keep_indices",
     "denominator_count",
@@ -66,6 +79,7 @@ __all__ = [
     "overlong_filter_mask",
     "policy_loss",
     "policy_loss_terms",
+    "rollout_mismatch_sums",
     "prefilter_solved_prompts",
     "rollout_metrics",
     "sapo_gate",

@@ -25,7 +25,7 @@ inputs (exp overflows float32 beyond 88). Where the clamp is active the log-rati
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
@@ -42,7 +42,7 @@ from ._checks import (
     shape,
 )
 from .kl import KL_ESTIMATORS
-from .metrics import finalize_metrics, merge_metric_sums
+from .metrics import CLIP_BUCKET_PREFIX, finalize_metrics, merge_metric_sums
 
 LOG_RATIO_CLAMP = 20.0
 """Log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exponentiation."""
@@ -253,6 +253,25 @@ _HPARAM_RULES: Mapping[str, tuple[float, bool]] = {
 }
 _OPTIONAL_HPARAMS = frozenset({"clip_c"})  # None disables
 
+ClipScale = Literal["sequence", "token"]
+CLIP_SCALE_BOUNDARY = 0.01
+"""clip_low / clip_high below this are at sequence scale, at or above it at token scale."""
+CLIP_SCALE_PRACTICE: Mapping[str, str] = MappingProxyType(
+    {
+        "sequence": "the GSPO paper uses 3e-4 / 4e-4 (arXiv 2507.18071)",
+        "token": "PPO and GRPO use 0.2, DAPO 0.2 / 0.28, GMPO 0.4 in log space, CISPO 4.0",
+    }
+)
+_CLIP_SCALE_MEANING: Mapping[str, str] = MappingProxyType(
+    {
+        "sequence": "clips a sequence-level ratio, the geometric mean of the sequence's token "
+        "ratios, which stays within about 1e-3 of 1 where token ratios spread by about 0.1: a "
+        "clip this wide never clips",
+        "token": "clips each token's ratio (or log-ratio): a clip this narrow clips nearly every "
+        "token",
+    }
+)
+
 
 @dataclass(frozen=True)
 class PolicyLossSpec:
@@ -269,6 +288,10 @@ class PolicyLossSpec:
         sequence_advantages: advantages must be [B] (one per sequence).
         ratio_level: ``"sequence"`` or ``"token"``: which ratio the ``ratio_*`` metrics describe.
         advantage_estimator: the key of the paper's estimator in ``ADVANTAGE_ESTIMATORS``.
+        clip_scale: what ``clip_low`` / ``clip_high`` bound: ``"sequence"``, a sequence-level
+            ratio (GSPO's s_i, GSPO-token's sg[s_i]); ``"token"``, a token ratio (PPO, GRPO,
+            DAPO, Dr.GRPO, CISPO) or a token log-ratio (GMPO, clipped in log space before the
+            geometric mean); None, no hard clip (SAPO). See :func:`clip_scale_problem`.
     """
 
     name: str
@@ -277,6 +300,7 @@ class PolicyLossSpec:
     sequence_advantages: bool
     ratio_level: Literal["sequence", "token"]
     advantage_estimator: str
+    clip_scale: ClipScale | None
     partials: Callable[[_Batch, Mapping], list[Tensor]] = field(repr=False)
     terms: Callable[[_Batch, Mapping, Tensor, list[Tensor]], _Terms] = field(repr=False)
 
@@ -319,6 +343,7 @@ def _spec(
     sequence_advantages: bool = False,
     ratio_level: Literal["sequence", "token"] = "token",
     advantage_estimator: str = "group_mean_std",
+    clip_scale: ClipScale | None = "token",
 ) -> PolicyLossSpec:
     return PolicyLossSpec(
         name=name,
@@ -327,13 +352,14 @@ def _spec(
         sequence_advantages=sequence_advantages,
         ratio_level=ratio_level,
         advantage_estimator=advantage_estimator,
+        clip_scale=clip_scale,
         partials=partials,
         terms=terms,
     )
 
 
 _PPO = {"clip_low": 0.2, "clip_high": 0.2, "clip_c": None}
-_SEQ: dict = {"sequence_advantages": True, "ratio_level": "sequence"}
+_SEQ: dict = {"sequence_advantages": True, "ratio_level": "sequence", "clip_scale": "sequence"}
 
 POLICY_LOSSES: Mapping[str, PolicyLossSpec] = MappingProxyType(
     {
@@ -343,7 +369,7 @@ POLICY_LOSSES: Mapping[str, PolicyLossSpec] = MappingProxyType(
         ),
         "gspo_token": _spec(
             "gspo_token", "seq_mean", {"clip_low": 3e-4, "clip_high": 4e-4}, _gspo_token_terms,
-            _gspo_token_partials, ratio_level="sequence",
+            _gspo_token_partials, ratio_level="sequence", clip_scale="sequence",
         ),
         "ppo": _spec("ppo", "token", dict(_PPO), _ppo_terms),
         "grpo": _spec("grpo", "seq_mean", dict(_PPO), _ppo_terms),
@@ -352,11 +378,14 @@ POLICY_LOSSES: Mapping[str, PolicyLossSpec] = MappingProxyType(
             "dr_grpo", "seq_constant", _PPO | {"max_response_length": None}, _ppo_terms,
             advantage_estimator="group_mean",
         ),
-        "sapo": _spec("sapo", "seq_mean", {"tau_pos": 1.0, "tau_neg": 1.05}, _sapo_terms),
+        "sapo": _spec(
+            "sapo", "seq_mean", {"tau_pos": 1.0, "tau_neg": 1.05}, _sapo_terms, clip_scale=None,
+        ),
         "cispo": _spec("cispo", "token", {"clip_high": 4.0}, _cispo_terms),
+        # GMPO's ratio is sequence-level, but its clip bounds each token's log-ratio.
         "gmpo": _spec(
             "gmpo", "sequence", {"clip_low": 0.4, "clip_high": 0.4}, _gmpo_terms,
-            _gmpo_partials, **_SEQ,
+            _gmpo_partials, **(_SEQ | {"clip_scale": "token"}),
         ),
     }
 )  # fmt: skip
@@ -369,6 +398,33 @@ def get_policy_loss(name: str) -> PolicyLossSpec:
     if spec is None:
         raise ValueError(f"name must be one of {sorted(POLICY_LOSSES)}, got {name!r}")
     return spec
+
+
+def clip_scale_problem(name: str, hparams: Mapping[str, object]) -> tuple[str, str] | None:
+    """(the hyper-parameter, why) when loss ``name``'s clip range is at the other scale than
+    the ratio it clips (``PolicyLossSpec.clip_scale``), else None.
+
+    A clip of a sequence-level ratio at or above ``CLIP_SCALE_BOUNDARY`` (PPO's 0.2 for GSPO)
+    never clips: a sequence ratio is the geometric mean of the token ratios and stays within
+    ~1e-3 of 1 where token ratios spread by ~0.1. A token-level clip below it clips nearly
+    every token. ``hparams`` as the config gives them (defaults fill the rest).
+    """
+    spec = get_policy_loss(name)
+    if spec.clip_scale is None:
+        return None
+    resolved = spec.resolve_hparams(hparams)
+    for key in ("clip_low", "clip_high"):
+        value = resolved.get(key)
+        if value is None:
+            continue
+        wide = value >= CLIP_SCALE_BOUNDARY
+        if wide == (spec.clip_scale == "sequence"):
+            scale = "token" if wide else "sequence"
+            return key, (
+                f"{value:g} is a {scale}-scale clip, but {name} "
+                f"{_CLIP_SCALE_MEANING[spec.clip_scale]} ({CLIP_SCALE_PRACTICE[spec.clip_scale]})"
+            )
+    return None
 
 
 def denominator_count(name: str, response_mask: Tensor) -> Tensor:
@@ -508,6 +564,7 @@ def policy_loss_terms(
     kl_estimator: str = "k3",
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    token_buckets: Mapping[str, tuple[Tensor, Sequence[str]]] | None = None,
     check_values: bool = True,
     **hparams: float | None,
 ) -> LossTerms:
@@ -535,6 +592,10 @@ def policy_loss_terms(
             ``entropy_coef > 0``.
         entropy_coef: weight of an entropy bonus, subtracted from the loss and aggregated like
             the KL penalty.
+        token_buckets: group name -> (bucket index per token [B, T] or per sequence [B],
+            integer; the buckets' labels): the clip fraction of each bucket as
+            ``clip_fraction_<group>_<label>`` (``metrics.clip_buckets`` builds them: version lag
+            and response length).
         check_values: check that log-probs/advantages/weights are finite on response tokens and
             the mask is 0/1 (one host sync); shapes are always checked.
         **hparams: the loss's hyperparameters (``POLICY_LOSSES[name].defaults``); None keeps the
@@ -598,6 +659,8 @@ def policy_loss_terms(
     num_seqs = seq_weight.sum()
     denominator = num_tokens if spec.denominator == "tokens" else num_seqs
     metric_sums = _metric_sums(spec, x, out, mask, valid, seq_weight, num_tokens, num_seqs, kl_bt)
+    if token_buckets:
+        metric_sums.update(_bucket_clip_sums(out.clipped, mask, token_buckets, num_tokens.dtype))
     metric_sums["loss/sum"] = loss_sum.detach()
     metric_sums["loss/count"] = denominator.detach()
     return LossTerms(loss_sum=loss_sum, denominator=denominator.detach(), metric_sums=metric_sums)
@@ -651,6 +714,33 @@ def _metric_sums(
     return m
 
 
+@torch.no_grad()
+def _bucket_clip_sums(
+    clipped: Tensor,
+    mask: Tensor,
+    buckets: Mapping[str, tuple[Tensor, Sequence[str]]],
+    dtype: torch.dtype,
+) -> dict[str, Tensor]:
+    """Clipped tokens / tokens of every bucket (a clipped sequence counts all its tokens)."""
+    clipped_bt = (clipped[:, None] if clipped.dim() == 1 else clipped) & mask
+    out = {}
+    for group, (index, labels) in buckets.items():
+        index = require_tensor(f"token_buckets[{group!r}]", index)
+        if shape(index) == shape(mask)[:1]:
+            index = index[:, None]
+        elif shape(index) != shape(mask):
+            raise ValueError(
+                f"token_buckets[{group!r}] must have shape {shape(mask)[:1]} or {shape(mask)}, "
+                f"got {shape(index)}"
+            )
+        index = index.to(mask.device).expand(mask.shape)
+        for k, label in enumerate(labels):
+            chosen = mask & (index == k)
+            out[f"clip_fraction_{group}_{label}/sum"] = (clipped_bt & chosen).sum().to(dtype)
+            out[f"clip_fraction_{group}_{label}/count"] = chosen.sum().to(dtype)
+    return out
+
+
 def policy_loss(
     name: str,
     logprobs: Tensor,
@@ -672,4 +762,4 @@ def policy_loss(
         if key in kwargs:
             raise ValueError(f"{key} is for policy_loss_terms; policy_loss sees whole sequences")
     terms = policy_loss_terms(name, logprobs, old_logprobs, advantages, response_mask, **kwargs)
-    return terms.loss(), finalize_metrics(terms.metric_sums)
+    return terms.loss(), finalize_metrics(terms.metric_sums, omit_empty=(CLIP_BUCKET_PREFIX,))

@@ -10,7 +10,8 @@ every key is ``"<metric>/<kind>"``:
   values (-inf / +inf) mean "nothing measured here".
 
 So a caller reduces each key with :func:`metric_reduce_op` and calls :func:`finalize_metrics`
-once. A metric with nothing to measure (count 0, or an extreme never set) is reported as 0.0.
+once. A metric with nothing to measure (count 0, or an extreme never set) is reported as 0.0;
+a non-finite value that was measured (a NaN sum or extreme) is reported as it is.
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ def merge_metric_sums(parts: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor
     return merged
 
 
-def finalize_metrics(metric_sums: Mapping[str, Tensor | float]) -> dict[str, float]:
-    """Turn fully reduced metric sums into plain floats named by metric (no ``/kind`` suffix)."""
+def finalize_metrics(
+    metric_sums: Mapping[str, Tensor | float], *, omit_empty: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """Turn fully reduced metric sums into plain floats named by metric (no ``/kind`` suffix).
+    Means whose name starts with one of `omit_empty` are left out when their count is 0 (a
+    bucket nothing fell into), instead of reported as 0.0."""
     values = {k: float(v) for k, v in metric_sums.items()}
     out: dict[str, float] = {}
     for key, value in values.items():
@@ -68,9 +73,37 @@ def finalize_metrics(metric_sums: Mapping[str, Tensor | float]) -> dict[str, flo
             continue
         if kind == "sum" and f"{name}/count" in values:
             count = values[f"{name}/count"]
+            if count <= 0 and name.startswith(omit_empty) and omit_empty:
+                continue
             out[name] = value / count if count > 0 else 0.0
+        elif kind in ("max", "min") and math.isinf(value):
+            out[name] = 0.0  # the reduction's identity: nothing was measured
         else:
-            out[name] = value if math.isfinite(value) else 0.0
+            out[name] = value  # a non-finite total stays visible (a NaN loss is not 0)
+    return out
+
+
+# The clip fraction split by token groups (policy_loss_terms' token_buckets): names
+# clip_fraction_<group>_<label>, left out of the finalized metrics when empty.
+CLIP_BUCKET_PREFIX = "clip_fraction_"
+LAG_BUCKETS = ("0", "1", "2plus")
+LENGTH_BUCKETS = ("q1", "q2", "q3", "q4")
+
+
+def clip_buckets(
+    version_lags: Tensor | None, response_lengths: Tensor | None, max_new_tokens: int
+) -> dict[str, tuple[Tensor, tuple[str, ...]]]:
+    """The groups ``policy_loss_terms`` splits the clip fraction by: "lag", each token's weight
+    versions between the policy that sampled it and the one that trains on it (0, 1, >= 2;
+    [B, T]); "length", the response's length in quarters of ``max_new_tokens`` (q1: at most a
+    quarter, ..., q4: more than three quarters; [B]). A group whose input is None (or
+    ``max_new_tokens`` 0) is left out."""
+    out: dict[str, tuple[Tensor, tuple[str, ...]]] = {}
+    if version_lags is not None:
+        out["lag"] = (version_lags.round().clamp(0, 2).long(), LAG_BUCKETS)
+    if response_lengths is not None and max_new_tokens > 0:
+        quarter = torch.ceil(4.0 * response_lengths.double() / max_new_tokens).long() - 1
+        out["length"] = (quarter.clamp(0, 3), LENGTH_BUCKETS)
     return out
 
 

@@ -192,3 +192,40 @@ def correct_mismatch(
         is_weights=weights if mode != "none" else None,
         metric_sums=metric_sums,
     )
+
+
+def rollout_mismatch_sums(
+    rollout_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor, threshold: float
+) -> dict[str, Tensor]:
+    """How far the rollout engine and the trainer disagree on the tokens the engine sampled, as
+    metric sums (``metrics.finalize_metrics``), per token t of the mask ([B, T] each):
+
+    - ``k3_kl``: KL(pi_rollout || pi_trainer) by the k3 estimator on the rollout's own samples,
+      r - 1 - log r with log r = log pi_trainer - log pi_rollout (unbiased, >= 0; Schulman's
+      k3, as the R3 paper measures it);
+    - ``tokens_past_threshold``: the fraction with |log pi_trainer - log pi_rollout| >
+      ``threshold``;
+    - ``logprob_abs_diff_mean`` / ``logprob_abs_diff_max``: the absolute log-prob difference.
+
+    Log-ratios are clamped to [-20, 20] before exp, as in the losses.
+    """
+    rollout_logprobs = require_tensor("rollout_logprobs", rollout_logprobs, floating=True)
+    trainer_logprobs = require_tensor("trainer_logprobs", trainer_logprobs, floating=True)
+    require_shape("trainer_logprobs", trainer_logprobs, shape(rollout_logprobs), "its shape")
+    mask = require_tensor("mask", mask) != 0
+    require_shape("mask", mask, shape(rollout_logprobs), "the log-probs' shape")
+    threshold = require_number("threshold", threshold, minimum=0.0, strict=True)
+    dtype = torch.promote_types(rollout_logprobs.dtype, torch.float32)
+    log_r = torch.where(mask, trainer_logprobs.to(dtype) - rollout_logprobs.to(dtype), 0.0)
+    log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    tokens = mask.sum().to(dtype)
+    diff = log_r.abs()
+    return {
+        "k3_kl/sum": torch.where(mask, torch.expm1(log_r) - log_r, 0.0).sum(),
+        "k3_kl/count": tokens,
+        "tokens_past_threshold/sum": (mask & (diff > threshold)).sum().to(dtype),
+        "tokens_past_threshold/count": tokens,
+        "logprob_abs_diff_mean/sum": diff.sum(),
+        "logprob_abs_diff_mean/count": tokens,
+        "logprob_abs_diff_max/max": torch.where(mask, diff, -torch.inf).max(),
+    }

@@ -31,8 +31,9 @@ class MicroBatch:
     """One micro-batch, already split for this CP rank.
 
     Model layout: tokens, position_ids, labels, has_label, routed_experts. Row layout: loss_mask,
-    advantages, old/ref log-probs, is_weights, old_values, returns. `row_index` maps the
-    flattened model layout to the row layout (None when both are the same, i.e. padded).
+    advantages, old/ref log-probs, is_weights, old_values, returns, version_lags. `row_index`
+    maps the flattened model layout to the row layout (None when both are the same, i.e.
+    padded).
     """
 
     indices: list[int]  # positions of the samples in the caller's list
@@ -52,6 +53,7 @@ class MicroBatch:
     old_values: torch.Tensor | None = None  # [b, s_row], the critic's
     returns: torch.Tensor | None = None  # [b, s_row]
     routed_experts: torch.Tensor | None = None  # model layout + [layers, top_k] int32
+    version_lags: torch.Tensor | None = None  # [b, s_row] float32 (whole numbers)
 
     @property
     def packed(self) -> bool:
@@ -305,6 +307,7 @@ def build_microbatch(
         old_values=to_rows(full["old_values"]),
         returns=to_rows(full["returns"]),
         routed_experts=to_model(full["routed_experts"]),
+        version_lags=to_rows(full["version_lags"]),
     )
 
 
@@ -381,6 +384,7 @@ def _padded_rows(
         "old_values": aligned("old_values"),
         "returns": aligned("returns"),
         "routed_experts": routed,
+        "version_lags": aligned("version_lags"),
     }
 
 

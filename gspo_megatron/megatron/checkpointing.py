@@ -467,7 +467,7 @@ def set_optimizer_steps(engine, steps: int) -> None:
     """
     engine.steps_done = steps
     engine.scheduler.num_steps = steps
-    engine.scheduler.step(increment=0)
+    engine.step_schedule(0)
 
 
 def _read(state: dict, path: Path) -> dict:

@@ -5,8 +5,14 @@ training forward. R3: replay the routes the rollout engine reports (SGLang's
 [tokens, layers, top_k]). Routes travel with each sample as int16 [len-1, num_layers, top_k]
 in global token order; this module cuts them into what each router sees (CP zigzag chunks, SP
 slice, [s, b] token order of padded rows or of one packed row) and reassembles recorded ones.
-While replaying, each router also computes its own top-k, so the fraction of tokens whose expert
-set changed between the old and the current policy is measured with and without replay.
+Recorded routes are the experts each router used: its own top-k, or under replay the experts it
+was given, as it returned them to the dispatcher.
+
+Per layer and optimizer step it counts (on the device; `step_metrics` reduces them over every
+rank as metric sums, gspo_megatron.algorithms.metrics): tokens whose router's own top-k differs
+from the routes the batch carries (the old policy's, or the rollout's under R3: computed while
+replaying too, so the route change is measured with and without replay), and tokens routed with
+replayed experts (the replay coverage).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from gspo_megatron.algorithms.metrics import finalize_metrics
 from gspo_megatron.device import accelerator
 from gspo_megatron.megatron.batch import MicroBatch, assemble_cp_rows
 from gspo_megatron.spec.sample import TrainSample
@@ -40,13 +47,13 @@ class RouteRecorder:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter) and module.router_replay is not None:
                     replay = module.router_replay
-                    self._instrument(replay)
+                    self._instrument(replay, module.layer_number - 1)
                     found.append((module.layer_number - 1, replay))
             self.routers[key] = sorted(found, key=lambda item: item[0])
         self.record = False
         self.replay = False
-        # [changed, total] tokens since the last step_metrics, kept on the device (no host sync
-        # per router call)
+        # Per layer [changed, compared, replayed, routed] tokens since `begin`, kept on the
+        # device (no host sync per router call).
         self._counts: torch.Tensor | None = None
         self._valid: torch.Tensor | None = None
 
@@ -59,6 +66,7 @@ class RouteRecorder:
         """
         self.record = record
         self.replay = replay
+        self._counts = None
         if replay:
             action = RouterReplayAction.REPLAY_FORWARD
         elif record:
@@ -68,12 +76,14 @@ class RouteRecorder:
         for routers in self.routers.values():
             for _, replay_obj in routers:
                 replay_obj.clear_indices()
+                replay_obj.used_topk_idx = None
                 replay_obj.router_replay_action = action
 
     def end(self) -> None:
         for routers in self.routers.values():
             for _, replay_obj in routers:
                 replay_obj.clear_indices()
+                replay_obj.used_topk_idx = None
                 replay_obj.router_replay_action = None
         self.record = self.replay = False
 
@@ -94,12 +104,12 @@ class RouteRecorder:
             return
         layers, recorded = [], []
         for layer, replay_obj in self.routers.get(vp_stage, []):
-            routes = replay_obj.target_topk_idx if self.replay else replay_obj.recorded_topk_idx
+            routes = replay_obj.used_topk_idx if self.replay else replay_obj.recorded_topk_idx
             layers.append(layer)
             recorded.append(self._from_router_view(routes, mb.tokens.shape))
             if mb.routed_experts is not None and not self.replay:
                 old = mb.routed_experts[:, :, layer, :]
-                self._count_changes(recorded[-1], old, mb.has_label)
+                self._count(layer, changed=(recorded[-1], old), valid=mb.has_label, routed=False)
         if sink is not None and layers:
             sink.append(
                 {
@@ -111,16 +121,28 @@ class RouteRecorder:
             )
 
     def step_metrics(self) -> dict[str, float]:
+        """The schedule's route counts over every rank (each layer lives on one pipeline stage;
+        the counts' ratios are the same whether or not TP ranks share tokens), as
+        moe/route_change_fraction (all layers), moe/route_change/layer_<L> and
+        moe/replay_coverage; {} when nothing was routed or compared."""
         counts = self._counts
         if counts is None:
-            counts = torch.zeros(2, dtype=torch.int64, device=accelerator())
+            counts = torch.zeros(self.num_layers, 4, dtype=torch.int64, device=accelerator())
         self._counts = None
         counts = counts.double()
         dist.all_reduce(counts)
-        changed, total = counts.tolist()
-        if total == 0:
-            return {}
-        return {"moe/route_change_fraction": changed / total}
+        changed, compared, replayed, routed = counts.unbind(-1)
+        sums = {
+            "moe/route_change_fraction/sum": changed.sum(),
+            "moe/route_change_fraction/count": compared.sum(),
+        }
+        for layer in range(self.num_layers):
+            sums[f"moe/route_change/layer_{layer}/sum"] = changed[layer]
+            sums[f"moe/route_change/layer_{layer}/count"] = compared[layer]
+        if routed.sum() > 0:
+            sums["moe/replay_coverage/sum"] = replayed.sum()
+            sums["moe/replay_coverage/count"] = routed.sum()
+        return finalize_metrics(sums, omit_empty=("moe/",))
 
     # -- assembling recorded routes ---------------------------------------------------------
 
@@ -182,31 +204,58 @@ class RouteRecorder:
             routes = torch.cat(parts, dim=0)
         return routes.reshape(s_cp, b, -1).transpose(0, 1)
 
-    def _count_changes(self, new: torch.Tensor, old: torch.Tensor, valid: torch.Tensor) -> None:
-        same = torch.sort(new, dim=-1).values == torch.sort(old.to(new.dtype), dim=-1).values
-        changed = ~same.all(dim=-1) & valid
-        counts = torch.stack([changed.sum(), valid.sum()])
-        self._counts = counts if self._counts is None else self._counts + counts
+    def _count(
+        self,
+        layer: int,
+        *,
+        valid: torch.Tensor,
+        changed: tuple[torch.Tensor, torch.Tensor] | None = None,
+        routed: bool = True,
+        replayed: bool = False,
+    ) -> None:
+        """Add one router call's tokens (`valid`): routed (a call of the router itself),
+        replayed, and when `changed` gives (its own routes, the routes the batch carries) the
+        tokens where they differ."""
+        zero = valid.new_zeros((), dtype=torch.int64)
+        tokens = valid.sum()
+        n_changed = n_compared = zero
+        if changed is not None:
+            new, old = changed
+            same = torch.sort(new, dim=-1).values == torch.sort(old.to(new.dtype), dim=-1).values
+            n_changed, n_compared = (~same.all(dim=-1) & valid).sum(), tokens
+        row = torch.stack(
+            [n_changed, n_compared, tokens if replayed else zero, tokens if routed else zero]
+        )
+        if self._counts is None:
+            self._counts = torch.zeros(self.num_layers, 4, dtype=torch.int64, device=valid.device)
+        self._counts[layer] += row
 
-    def _instrument(self, replay_obj) -> None:
-        """While replaying, also compute the router's own top-k to count route changes."""
+    def _instrument(self, replay_obj, layer: int) -> None:
+        """Count every forward router call's tokens, and while replaying also compute the
+        router's own top-k (route changes) and keep the experts it returned (`used_topk_idx`)."""
         recorder = self
         original = replay_obj.get_replay_topk
+        replay_obj.used_topk_idx = None
 
         def get_replay_topk(
             obj, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
         ):
-            if obj.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            action = obj.router_replay_action
+            out = original(scores, topk, num_groups, group_topk, default_compute_topk)
+            if action == RouterReplayAction.REPLAY_BACKWARD:
+                return out  # activation recomputation: already counted in the forward
+            valid = recorder._valid
+            if valid is None:
+                valid = torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device)
+            if action == RouterReplayAction.REPLAY_FORWARD:
+                obj.used_topk_idx = out[1]
                 _, natural = default_compute_topk(
                     scores, topk, num_groups=num_groups, group_topk=group_topk
                 )
                 target = obj.target_topk_idx.to(natural.device)
-                valid = (
-                    recorder._valid
-                    if recorder._valid is not None
-                    else torch.ones(natural.shape[0], dtype=torch.bool, device=natural.device)
-                )
-                recorder._count_changes(natural, target, valid)
-            return original(scores, topk, num_groups, group_topk, default_compute_topk)
+                recorder._count(layer, valid=valid, changed=(natural, target), replayed=True)
+            else:
+                recorder._count(layer, valid=valid)
+            return out
 
         replay_obj.get_replay_topk = types.MethodType(get_replay_topk, replay_obj)

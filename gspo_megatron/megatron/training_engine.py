@@ -31,7 +31,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gspo_megatron.algorithms.gae import value_loss_terms
 from gspo_megatron.algorithms.losses import denominator_count, policy_loss_terms
-from gspo_megatron.algorithms.metrics import finalize_metrics, metric_reduce_op
+from gspo_megatron.algorithms.metrics import (
+    CLIP_BUCKET_PREFIX,
+    clip_buckets,
+    finalize_metrics,
+    metric_reduce_op,
+)
 from gspo_megatron.config_fields import raise_on_problems
 from gspo_megatron.device import accelerator, pinned_for_accelerator
 from gspo_megatron.megatron.batch import (
@@ -182,6 +187,7 @@ class TrainingEngine:
         )
         self.trainable = trainable
         self.steps_done = 0
+        self.lr_scale = 1.0  # set_lr_scale: a factor on the schedule's learning rate
         # Of the last planned batch (see _plan): padding_fraction, dp_token_imbalance.
         self.batch_stats: dict[str, float] = {}
         self._offloader: StateOffloader | None = None
@@ -484,6 +490,9 @@ class TrainingEngine:
                 }
             if loss.entropy_coef:
                 extra |= {"entropy": ent, "entropy_coef": loss.entropy_coef}
+            lengths = torch.tensor(
+                [len(samples[i].response_ids) for i in mb.indices], device=lp.device
+            )
             terms = policy_loss_terms(
                 loss.name,
                 lp,
@@ -495,6 +504,7 @@ class TrainingEngine:
                 is_weights=mb.is_weights,
                 # Non-finite values are caught once per step (engine.nonfinite), not per call.
                 check_values=False,
+                token_buckets=clip_buckets(mb.version_lags, lengths, loss.max_new_tokens),
                 **loss.hparams,
                 **extra,
             )
@@ -581,7 +591,9 @@ class TrainingEngine:
             record_routes=record_routes,
             replay_routes=replay_routes,
         )
-        metrics = finalize_metrics(self._reduce_metric_sums(per_mb))
+        metrics = finalize_metrics(
+            self._reduce_metric_sums(per_mb), omit_empty=(CLIP_BUCKET_PREFIX,)
+        )
         metrics["loss"] = metrics.pop("loss_sum") / denominator
         metrics["num_microbatches"] = float(num_mb_holder[0])  # on this rank
         metrics.update(self.batch_stats)
@@ -596,7 +608,7 @@ class TrainingEngine:
             metrics.update(skipped=1.0, grad_norm=float("nan"), lr=self.current_lr())
             return metrics
         success, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        self.step_schedule(1)
         self.steps_done += 1
         metrics.update(
             skipped=0.0 if success else 1.0,
@@ -609,6 +621,25 @@ class TrainingEngine:
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr_scale(self, scale: float) -> None:
+        """From now on the learning rate is the schedule's times `scale` (the collapse
+        sentinel's remedy: gspo_megatron/stability/rollback.py); the schedule itself, a function
+        of the optimizer step, is unchanged."""
+        if scale != self.lr_scale:
+            self.lr_scale = scale
+            self.step_schedule(0)
+
+    def step_schedule(self, increment: int) -> None:
+        """Advance the LR schedule by `increment` optimizer steps and set every parameter
+        group's learning rate: the schedule's value times `lr_scale`."""
+        self.scheduler.step(increment=increment)
+        if self.lr_scale != 1.0:
+            for group in self.optimizer.param_groups:
+                if isinstance(group["lr"], torch.Tensor):  # as the scheduler sets it: in place
+                    group["lr"].mul_(self.lr_scale)
+                else:
+                    group["lr"] = group["lr"] * self.lr_scale
 
     # -- schedule plumbing -----------------------------------------------------------------------
 

@@ -23,6 +23,9 @@ reads, imports no engine. What the code asks of a backend:
   keeps_policy_weights     it generates with the policy's own weights, so
                            trainer.offload_during_rollout leaves them; Trainer, memory_plan
   describe(cfg)            its line in the Slurm preflight's report (None: no line)
+  records_routes(cfg)      it reports the experts of every token it samples (R3, and the
+                           rollout-vs-trainer route flips); route_setting: what turns that on,
+                           named in config errors
 
 docs/ARCHITECTURE.md, "Adding a rollout engine", walks a new backend through.
 """
@@ -114,6 +117,10 @@ def _no_files(cfg: Any, run_dir: Path) -> None:
     """A backend that keeps nothing in the run directory."""
 
 
+def _routes_under_r3(cfg: Any) -> bool:
+    return cfg.algorithm.routing_replay == "r3"
+
+
 @dataclass(frozen=True)
 class RolloutBackend:
     """What the code asks of one rollout backend (see the module's docstring)."""
@@ -125,6 +132,8 @@ class RolloutBackend:
     check_run_dir: Callable[[Any, Path], None] = _no_files
     missing_inputs: Callable[[Any], list[str]] = _nothing_missing
     describe: Callable[[Any], str | None] = _no_line
+    records_routes: Callable[[Any], bool] = _routes_under_r3
+    route_setting: str = "algorithm.routing_replay=r3"
 
 
 def rollout_backend(name: str) -> RolloutBackend:

@@ -30,6 +30,9 @@ class TrainSample:
     # int32 [prompt_len + response_len - 1, num_moe_layers, top_k]: experts chosen for every
     # consumed token (routing replay); None when not replaying.
     routed_experts: np.ndarray | None = field(default=None, repr=False)
+    # Per response token: weight versions between the policy that sampled it and the one that
+    # trains on it (the clip fraction is split by it); None = 0 for every token.
+    version_lags: list[int] | None = None
 
     @property
     def length(self) -> int:
@@ -59,6 +62,7 @@ def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
             "is_weights",
             "old_values",
             "returns",
+            "version_lags",
         ):
             values = getattr(sample, name)
             if isinstance(values, list | tuple) and len(values) != n:

@@ -98,6 +98,49 @@ def test_kill_9_at_five_points_then_resume_is_bitwise_exact(tmp_path):
     assert any(line.startswith('{"step": 4, "reward/me') for line in side)
 
 
+@pytest.mark.slow
+def test_kill_9_during_a_rollback_then_resume_completes_it_exactly(tmp_path):
+    """A corrupted batch in step 5 (NaN old log-probs: a skipped optimizer step) fires the
+    collapse sentinel, which rolls back to step 2 (step 4 is too recent: step 5's rollouts are
+    its weights'). Killed right after the rollback is recorded, then again while completing it
+    (the newer checkpoints moved aside, the records not yet), the resumed run completes it and
+    ends with the same records and weights as a run rolled back without interruption; every
+    step is recorded once, what the rollback replaced is kept aside."""
+    common = ["trainer.steps=6", "trainer.save_every=2", "seed=5",
+              "stability.sentinel.nonfinite_patience=1"]  # fmt: skip
+    corrupted = "nan_batch_at_optimizer_step=17"  # step 5's first of 4 optimizer steps
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    log = (tmp_path / "straight.log").open("w")
+    reference = subprocess.Popen(
+        gspo_train_command(straight, [*TINY, *common]), env=gspo_train_env(corrupted), cwd=REPO,
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    train(killed, *common, faults=f"{corrupted},kill_after_rollback_record=1", expect="killed")
+    (record,) = json.loads((killed / "rollbacks.json").read_text())
+    assert (record["status"], record["fired_at"], record["to_step"]) == ("started", 5, 2)
+    assert [r["step"] for r in read_metrics(killed)] == [1, 2, 3, 4, 5]
+    proc = train(killed, *common, faults="kill_mid_rollback=1", expect="killed")
+    assert "completing rollback 1 (step 5 -> 2 (nonfinite))" in proc.stderr
+    assert not step_dir(killed, 4).exists()  # moved aside, records not rewound yet
+    assert [r["step"] for r in read_metrics(killed)] == [1, 2, 3, 4, 5]
+    proc = train(killed, *common)
+    assert "resumed at step 2, rolled back" in proc.stderr
+    reference.wait(timeout=600)
+    log.close()
+    assert reference.returncode == 0, (tmp_path / "straight.log").read_text()[-3000:]
+    records = read_metrics(killed)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert stable(records) == stable(read_metrics(straight))
+    assert_same_weights(step_dir(straight, 6), step_dir(killed, 6))
+    assert records[2]["stability/rolled_back_from"] == 5
+    assert json.loads((killed / "rollbacks.json").read_text())[0]["status"] == "done"
+    side = [json.loads(x) for x in (killed / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in side] == [3, 4, 5]
+    (moved,) = (killed / "checkpoints" / "superseded").iterdir()
+    assert moved.name.startswith("step_000004.")
+    assert "rolled back from step 5 to step 2" in (moved / "SUPERSEDED.txt").read_text()
+
+
 def damage(kind: str, ckpt: Path) -> str:
     """Damage `ckpt` one way; returns what the resume must report about it."""
     data = sorted(ckpt.glob("__*.distcp"))[0]

@@ -1,12 +1,14 @@
 """Processes off the happy path, through `gspo-train` under gspo_megatron.torchrun with two
 ranks: SIGTERM checkpoints and exits 0; a rank killed or hung makes the other leave within
 seconds with a message; the workers die with a killed launcher; a checkpoint damaged on one rank
-only is rejected by both together; what the user sees is our lines, not the libraries' noise.
+only is rejected by both together; a batch corrupted on one rank only rolls both back together
+(the collapse sentinel); what the user sees is our lines, not the libraries' noise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -171,3 +173,25 @@ def test_libraries_noise_is_off_in_every_process_of_a_job(monkeypatch):
     monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "INFO")
     quiet_failure_noise()
     assert os.environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
+
+
+@pytest.mark.slow
+def test_a_batch_corrupted_on_one_rank_rolls_both_back_together(tmp_path):
+    """Rank 1's samples of step 5 carry NaN old log-probs: the non-finite loss and gradient
+    reach both ranks through the reductions, every rank's sentinel votes in one all-reduce, and
+    both roll back to step 2 together (one rollback, one record per step, nothing hangs)."""
+    proc = gspo_train(
+        tmp_path, *TWO_RANKS, "trainer.steps=6", "trainer.save_every=2", "seed=5",
+        "stability.sentinel.nonfinite_patience=1", nproc=2, timeout=600,
+        faults="nan_batch_at_optimizer_step=17", fault_rank=1,  # step 5's first optimizer step
+    )  # fmt: skip
+    assert "step 5: the collapse sentinel fired (nonfinite:" in proc.stderr
+    assert "rollback 1 of at most 3 to step_000002" in proc.stderr
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[2]["stability/rolled_back_from"] == 5
+    (rollback,) = json.loads((tmp_path / "rollbacks.json").read_text())
+    assert (rollback["fired_at"], rollback["to_step"], rollback["status"]) == (5, 2, "done")
+    side = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in side] == [3, 4, 5]
+    assert (tmp_path / "checkpoints" / "step_000006" / "manifest.json").is_file()

@@ -37,6 +37,14 @@ def write_run(path, scale):
                         "moe/route_change_fraction": 0.05,
                         "env/tool_call_rate": step / 20,
                         "critic/explained_variance": 1 - 1 / step,
+                        "mismatch/k3_kl": 1e-3 * step,
+                        "moe/route_flips": 0.1,
+                        "moe/route_flips/layer_0": 0.05,
+                        "moe/route_flips/layer_1": 0.15,
+                        "actor/clip_fraction_lag_0": 0.1,
+                        "actor/clip_fraction_length_q4": 0.2,
+                        "stability/reward_ema": scale * step / 25,
+                        **({"stability/rolled_back_from": 12.0} if step == 11 else {}),
                         **(EVAL if step % 10 == 0 else {}),
                     }
                 )
@@ -56,8 +64,13 @@ def test_overlays_runs_into_pngs(tmp_path):
     )
     names = sorted(p.name for p in out.iterdir())
     assert names == [
-        "clip_fraction.png", "critic.png", "episodes.png", "eval.png", "response_length.png",
-        "reward.png", "route_change.png",
+        "clip_by_lag.png", "clip_by_length.png", "clip_fraction.png", "critic.png",
+        "episodes.png", "eval.png", "mismatch.png", "response_length.png", "reward.png",
+        "route_change.png", "route_flips.png", "sentinel.png",
+    ]  # fmt: skip
+    assert plot_metrics._expand("moe/route_flips/layer_", {"moe/route_flips/layer_10", "a",
+                                "moe/route_flips/layer_2"}) == [
+        "moe/route_flips/layer_2", "moe/route_flips/layer_10",
     ]  # fmt: skip
     # the evaluation figure: every benchmark's avg@n and pass@k
     assert [k for k in EVAL if plot_metrics._is_benchmark_accuracy(k)] == [

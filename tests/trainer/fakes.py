@@ -30,7 +30,7 @@ import torch
 from gspo_megatron import CONF_DIR
 from gspo_megatron.algorithms.gae import value_loss_terms
 from gspo_megatron.algorithms.losses import policy_loss
-from gspo_megatron.algorithms.metrics import finalize_metrics
+from gspo_megatron.algorithms.metrics import clip_buckets, finalize_metrics
 from gspo_megatron.rollout.base import RolloutSample, SamplingParams
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.sample import TrainSample, validate_samples
@@ -246,6 +246,7 @@ class FakePolicy:
         self.layout = layout
         self.max_sequence_length = max_sequence_length
         self.lr = lr
+        self.lr_scale = 1.0
         self.name = name
         self.trainable = True
         self.journal = journal if journal is not None else Journal()
@@ -402,6 +403,10 @@ class FakePolicy:
         ent = -(logp_all.exp() * logp_all).sum(-1)
         if loss.entropy_coef:
             extra |= dict(entropy=ent, entropy_coef=loss.entropy_coef)
+        lags = None
+        if any(s.version_lags is not None for s in samples):
+            lags = _pad([s.version_lags or [0] * len(s.response_ids) for s in samples], logp.shape)
+        lengths = torch.tensor([len(s.response_ids) for s in samples])
         value, metrics = policy_loss(
             loss.name,
             logp,
@@ -409,6 +414,7 @@ class FakePolicy:
             _advantages(samples, logp.shape),
             mask,
             is_weights=_is_weights(samples, logp.shape),
+            token_buckets=clip_buckets(lags, lengths, loss.max_new_tokens),
             **loss.hparams,
             **extra,
         )
@@ -419,7 +425,7 @@ class FakePolicy:
         grad_norm = float(torch.sqrt(sum((g * g).sum() for g in grads)))
         with torch.no_grad():
             for p, g in zip(self.parameters(), grads, strict=True):
-                p -= self.lr * g
+                p -= self.current_lr() * g
         self.steps_done += 1
         with torch.no_grad():
             entropy = float((ent * mask).sum() / mask.sum().clamp(min=1.0))
@@ -446,7 +452,10 @@ class FakePolicy:
         return out
 
     def current_lr(self) -> float:
-        return self.lr
+        return self.lr * self.lr_scale
+
+    def set_lr_scale(self, scale: float) -> None:
+        self.lr_scale = scale
 
     def close(self) -> None:
         self.journal.add("close", self.name)
@@ -836,10 +845,13 @@ class MemoryLog:
 
 
 class MemoryCheckpoints:
-    """RunCheckpoints' interface, in memory: `resume("auto")` loads the newest save."""
+    """RunCheckpoints' interface, in memory: `resume("auto")` loads the newest save; a rollback
+    moves the newer saves to `superseded` (step, reason)."""
 
     def __init__(self) -> None:
         self.saved: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        self.superseded: list[tuple[int, str]] = []
+        self.history: list[dict[str, Any]] = []
 
     def save(self, engine: FakePolicy, step: int, state: dict[str, Any], companions) -> None:
         weights = {"": engine.state_dict()}
@@ -849,10 +861,32 @@ class MemoryCheckpoints:
     def resume(self, engine: FakePolicy, mode: str, companions) -> dict[str, Any] | None:
         if mode == "never" or not self.saved:
             return None
-        state, weights = self.saved[max(self.saved)]
+        return self._load(engine, max(self.saved), companions)
+
+    def _load(self, engine, step: int, companions) -> dict[str, Any]:
+        state, weights = self.saved[step]
         for name, e in {"": engine, **companions}.items():
             e.load_state_dict(weights[name])
         return copy.deepcopy(state)
+
+    def rollbacks(self) -> list[dict[str, Any]]:
+        return copy.deepcopy(self.history)
+
+    def save_rollbacks(self, records: list[dict[str, Any]]) -> None:
+        self.history = copy.deepcopy(records)
+
+    def rollback_target(self, engine, allowed, companions=None):
+        for step in sorted(self.saved, reverse=True):
+            if allowed(step, self.saved[step][0].get("health")):
+                return step, f"step_{step:06d}"
+        return None
+
+    def roll_back(self, engine, step: int, *, reason: str, companions=None, validate=True):
+        state = self._load(engine, step, companions or {})
+        for newer in sorted(s for s in self.saved if s > step):
+            del self.saved[newer]
+            self.superseded.append((newer, reason))
+        return state
 
 
 class NullWatchdog:
@@ -906,14 +940,15 @@ def build_fake_run(
     *,
     logprob_noise: float = 0.05,
     checkpoints: MemoryCheckpoints | None = None,
+    log: MemoryLog | None = None,
     lr: float = 0.5,
     rollout_from_backend: bool = False,
     run_dir: Path | None = None,
 ) -> FakeRun:
-    """The trainer gspo-train builds (components.build_trainer), with fake engines and stores.
-    The rollout engine is a fake one of the rollout.mode's kind, or with `rollout_from_backend`
-    the one rollout.engine's backend builds (components.build_rollout, keeping its files in
-    `run_dir`)."""
+    """The trainer gspo-train builds (components.build_trainer), with fake engines and stores
+    (`checkpoints` and `log`: an earlier run's, to resume it). The rollout engine is a fake one
+    of the rollout.mode's kind, or with `rollout_from_backend` the one rollout.engine's backend
+    builds (components.build_rollout, keeping its files in `run_dir`)."""
     from gspo_megatron.data.config import build_datasets
     from gspo_megatron.evaluation.benchmarks import build_benchmarks
     from gspo_megatron.ranks import SingleRank
@@ -952,8 +987,12 @@ def build_fake_run(
         assert run_dir is not None, "a backend's engine needs a run directory"
         rollout, source = build_rollout(cfg, policy, run_dir)
     else:
+        from gspo_megatron.rollout.backends import rollout_backend
+
+        # Routes as the configured backend records them (the embedded one: R3, or route metrics)
+        record = rollout_backend(cfg.rollout.engine).records_routes(cfg)
         rollout = (FakeRollout if cfg.rollout.mode == "sync" else FakeGeneratorProcess)(
-            policy, record_routes=cfg.algorithm.routing_replay == "r3", logprob_noise=logprob_noise
+            policy, record_routes=record, logprob_noise=logprob_noise
         )
     run = FakeRun(
         cfg=cfg,
@@ -962,7 +1001,7 @@ def build_fake_run(
         reference=reference,
         critic=critic,
         rollout=rollout,
-        log=MemoryLog(),
+        log=log if log is not None else MemoryLog(),
         checkpoints=checkpoints if checkpoints is not None else MemoryCheckpoints(),
         watchdog=NullWatchdog(),
         journal=journal,

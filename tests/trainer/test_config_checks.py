@@ -186,7 +186,9 @@ def _exists(raw: dict, key: str) -> bool:
     return True
 
 
-SECTIONS = "model|parallel|algorithm|rollout|data|reward|trainer|optimizer|engine|lora|logging"
+SECTIONS = (
+    "model|parallel|algorithm|rollout|data|reward|trainer|optimizer|engine|lora|logging|stability"
+)
 KEY = rf"\b(?:{SECTIONS})\.[a-z_0-9]+\b"
 
 
@@ -232,9 +234,11 @@ def test_every_key_in_a_config_message_exists():
     sources = ["config.py", "data/config.py", "rewards/registry.py", "envs/registry.py",
                "spec/training.py", "spec/lora.py", "rollout/backends.py",
                "rollout/sglang/backend.py", "rollout/sglang/config.py",
-               "rollout/embedded/backend.py", "memory_plan.py", "run_health.py",
-               "components.py", "evaluation/config.py", "evaluation/benchmarks.py",
-               "evaluate.py"]  # fmt: skip
+               "rollout/embedded/backend.py",
+               "memory_plan.py", "run_health.py", "components.py", "evaluation/config.py",
+               "stability/rollback.py", "stability/sentinel.py", "stability/budget.py",
+               "stability/monitor.py", "algorithms/losses.py",
+               "evaluation/benchmarks.py", "evaluate.py"]  # fmt: skip
     named = set()
     for source in sources:
         tree = ast.parse((package / source).read_text())

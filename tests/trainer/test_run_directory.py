@@ -47,3 +47,10 @@ def test_a_run_from_before_a_section_existed_resumes_at_its_defaults(tmp_path):
     (tmp_path / CONFIG_FILE).write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match=r"different config \(lora\)"):
         check_run_directory(tmp_path, resolve(compose(["lora.rank=8"]), 1)[0])
+
+
+def test_the_sentinel_may_be_switched_on_a_resume_the_budget_not(tmp_path):
+    check_run_directory(tmp_path, run_config())
+    check_run_directory(tmp_path, run_config("stability.sentinel.enabled=false"))
+    with pytest.raises(ConfigError, match="stability.mismatch_budget.k3_kl"):
+        check_run_directory(tmp_path, run_config("stability.mismatch_budget.k3_kl=0.1"))

@@ -782,7 +782,7 @@ def test_a_stop_signal_writes_nothing_to_the_log_from_its_handler(composer, toke
         signal.raise_signal(signal.SIGTERM)
         assert run.trainer.stop_requested and records == []
         assert "signal SIGTERM: checkpointing after this step" in capfd.readouterr().err
-        run.trainer._agree_on_save_and_stop()
+        run.trainer._agree(collapse=False)
         assert records == ["signal SIGTERM: checkpointing after this step"]
     finally:
         logger.removeHandler(recorder)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
     """The engine over the policy, and the weight source of the generator process (None in
     process: it reads the policy's parameters)."""
-    record_routes = cfg.algorithm.routing_replay == "r3"
+    record_routes = records_routes(cfg)
     if cfg.rollout.mode != "sync":
         return build_generator_process(cfg, policy, record_routes)
     from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
@@ -81,9 +81,23 @@ def generator_settings(cfg: RunConfig, policy: TrainingEngine, record_routes: bo
     return settings, model.rotary_pos_emb.get_emb(max_length)[:, 0, 0, :].cpu()
 
 
+def records_routes(cfg: RunConfig) -> bool:
+    """Routes are recorded for R3, and for the route metrics (rollout vs trainer route flips)
+    of a MoE policy: the router's top-k of every generated token, at no extra forward."""
+    if cfg.algorithm.routing_replay == "r3":
+        return True
+    return cfg.logging.moe_route_metrics and cfg.model.model_config().is_moe
+
+
 def memory_share(rollout: RolloutSection) -> RolloutShare:
     """A KV cache of rollout.max_batch_tokens slots while generating (freed before training)."""
     return RolloutShare(kv_cache_tokens=rollout.max_batch_tokens)
 
 
-EMBEDDED = RolloutBackend(build=build, memory_share=memory_share, keeps_policy_weights=True)
+EMBEDDED = RolloutBackend(
+    build=build,
+    memory_share=memory_share,
+    keeps_policy_weights=True,
+    records_routes=records_routes,
+    route_setting="logging.moe_route_metrics=true",
+)

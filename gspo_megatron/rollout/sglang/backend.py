@@ -113,4 +113,6 @@ SGLANG = RolloutBackend(
     check_run_dir=check_run_dir,
     missing_inputs=missing_inputs,
     describe=describe,
+    records_routes=lambda cfg: cfg.rollout.sglang.return_routed_experts,
+    route_setting="rollout.sglang.return_routed_experts=true",
 )

@@ -9,6 +9,14 @@ this directory on PYTHONPATH, it arms the faults named in GSPO_FAULTS (comma-sep
     kill_mid_rotation=N           SIGKILL in the N-th rotation, one file of the checkpoint it
                                   removes deleted
     enospc_in_save=N              the N-th checkpoint save's data files fail: "No space left"
+    lr_spike_at_optimizer_step=N  the learning rate of optimizer steps N .. N+lr_spike_steps-1
+                                  times lr_spike_factor (default 1000; lr_spike_steps default 1):
+                                  a collapse on purpose (benchmarks/bench_sentinel.py)
+    nan_batch_at_optimizer_step=N the N-th optimizer step's samples carry NaN old log-probs: a
+                                  corrupted batch (a non-finite loss and gradient)
+    kill_after_rollback_record=N  SIGKILL right after the N-th rollback is recorded (rollbacks.json)
+    kill_mid_rollback=N           SIGKILL in the N-th rollback, after the checkpoints newer than its
+                                  target were moved aside, before the metrics are rewound
     kill_in_save=N                SIGKILL in the N-th checkpoint save, right after this rank
                                   wrote its share of the model and optimizer data
     kill_mid_supersede=N          SIGKILL in the N-th superseding (a resume moving a checkpoint
@@ -75,12 +83,37 @@ def _on_call(name: str):
     return due
 
 
+def _on_calls(name: str, count: int):
+    """A counter: True on calls N .. N+count-1 of fault `name` (armed with N)."""
+    first = int(_FAULTS.get(name, 0))
+    calls = [0]
+
+    def due() -> bool:
+        calls[0] += 1
+        return first > 0 and first <= calls[0] < first + count
+
+    return due
+
+
 def _patch_engine(module) -> None:
     due = _on_call("kill_after_optimizer_step")
+    spike_due = _on_calls("lr_spike_at_optimizer_step", int(_FAULTS.get("lr_spike_steps", 1)))
+    spike = float(_FAULTS.get("lr_spike_factor", 1000.0))
+    nan_due = _on_call("nan_batch_at_optimizer_step")
     original = module.TrainingEngine.train_step
 
-    def train_step(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
+    def train_step(self, samples, *args, **kwargs):
+        if spike_due():
+            # The scheduler sets every group's LR again after this optimizer step.
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * spike
+        if nan_due():
+            import copy
+
+            samples = [copy.copy(s) for s in samples]
+            for s in samples:
+                s.old_logprobs = [float("nan")] * len(s.response_ids)
+        out = original(self, samples, *args, **kwargs)
         if due():
             _die("kill_after_optimizer_step")
         return out
@@ -121,6 +154,25 @@ def _patch_run_files(module) -> None:
             shutil.rmtree = real_rmtree
 
     module.RunCheckpoints._rotate = rotate
+    due_record = _on_call("kill_after_rollback_record")
+    original_save_rollbacks = module.RunCheckpoints.save_rollbacks
+
+    def save_rollbacks(self, records):
+        original_save_rollbacks(self, records)
+        if records and records[-1]["status"] == "started" and due_record():
+            _die("kill_after_rollback_record")
+
+    module.RunCheckpoints.save_rollbacks = save_rollbacks
+    due_rollback = _on_call("kill_mid_rollback")
+    original_roll_back = module.RunCheckpoints.roll_back
+
+    def roll_back(self, *args, **kwargs):
+        state = original_roll_back(self, *args, **kwargs)
+        if due_rollback():
+            _die("kill_mid_rollback")
+        return state
+
+    module.RunCheckpoints.roll_back = roll_back
     due_supersede = _on_call("kill_mid_supersede")
     original_replace = os.replace
 
