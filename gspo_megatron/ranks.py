@@ -30,16 +30,22 @@ class Ranks(Protocol):
 class ProcessGroupRanks:
     def __init__(self) -> None:
         self.rank = dist.get_rank()
+        # A job of one process has nothing to exchange (and a collective costs a thread handoff).
+        self._alone = dist.get_world_size() == 1
         # Objects (rollout samples with their routes can be gigabytes) travel through host
         # memory on a gloo group, not through accelerator buffers on NCCL.
         self._objects = dist.new_group(backend="gloo") if on_accelerator() else None
 
     def broadcast(self, obj: Any) -> Any:
+        if self._alone:
+            return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._objects)
         return box[0]
 
     def any(self, flags: Sequence[bool]) -> list[bool]:
+        if self._alone:
+            return [bool(f) for f in flags]
         votes = torch.tensor([float(f) for f in flags], device=accelerator())
         dist.all_reduce(votes, op=dist.ReduceOp.MAX)
         return [bool(v) for v in votes.tolist()]

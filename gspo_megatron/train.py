@@ -14,7 +14,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gspo_megatron import CONF_DIR
-from gspo_megatron.config import ConfigError, check_overrides, register_schema, resolve
+from gspo_megatron.config import (
+    ConfigError,
+    check_overrides,
+    help_text,
+    register_schema,
+    resolve,
+)
 from gspo_megatron.data.dataset import DataError
 from gspo_megatron.data.vocab import VocabMismatchError
 
@@ -57,7 +63,8 @@ def run(cfg: DictConfig) -> None:
 def run_composed(raw: dict, run_dir: Path) -> None:
     """Everything gspo-train does with a composed config: validate, build, train, close.
 
-    Exits (SystemExit) with one line on a bad config or a failed run.
+    Exits (SystemExit) with one line on a bad config or a failed run. The config and the run
+    directory are checked before megatron-core, transformers or the model are loaded.
     """
     from gspo_megatron.checkpoint.mapping import ConversionError
     from gspo_megatron.checkpoint.meta import CheckpointError
@@ -111,21 +118,29 @@ def fail(err: BaseException, *, traceback: bool = True, program: str = "gspo-tra
 
 
 def start(program: str, app) -> None:
-    """A console script: the schema, keys of earlier versions refused by name, Hydra's `app`.
+    """A console script: the schema, keys of earlier versions refused by name, --help (see
+    config.help_text), Hydra's `app`.
 
     Errors in Hydra's own set-up come back as one line: a bad override or config group, or
     the run directory or its log file that cannot be created (a full disk, a quota,
     permissions), which Hydra would print as a traceback."""
     from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     from gspo_megatron.torchrun import die_with_launcher
 
     die_with_launcher()
     register_schema()
+    args = sys.argv[1:]
     try:
-        check_overrides(sys.argv[1:])
+        check_overrides(args)
+        if "--help" in args or "-h" in args:
+            print(help_text(program, [a for a in args if a not in ("--help", "-h")]))
+            return
     except ConfigError as err:
         sys.exit(f"{program}: config error: {err}")
+    except (HydraException, OmegaConfBaseException) as err:  # in --help's composition
+        sys.exit(f"{program}: config error: {_hydra_error(err)}")
     # Hydra raises what fails in its set-up instead of printing it (the run function itself
     # never raises: it ends with one line and an exit status).
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -133,8 +148,7 @@ def start(program: str, app) -> None:
     try:
         app()
     except HydraException as err:
-        cause = f" ({_one_line(err.__cause__)})" if err.__cause__ else ""
-        sys.exit(f"{program}: config error: {_one_line(err)}{cause}")
+        sys.exit(f"{program}: config error: {_hydra_error(err)}")
     except Exception as err:
         reason = _os_error_in(err)
         if reason is None:
@@ -161,6 +175,14 @@ def quiet_failure_noise() -> None:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
+
+
+def _hydra_error(err: BaseException) -> str:
+    """Hydra's error on one line, without the config search path it appends, and its cause
+    (why a value did not merge) in parentheses."""
+    message = " ".join(str(err).split("Config search path:")[0].split())
+    cause = f" ({_one_line(err.__cause__)})" if err.__cause__ else ""
+    return f"{message}{cause}"
 
 
 def _os_error_in(err: BaseException) -> OSError | None:

@@ -5,19 +5,27 @@ implements it), and packed sequences (THD). This module takes its place in the l
 spec: causal attention through `torch.nn.functional.scaled_dot_product_attention`; under CP it
 all-gathers keys and values over the CP group and masks by the global positions of megatron's
 load-balanced layout (rank r holds sequence chunks r and 2*cp-1-r of 2*cp equal chunks, of every
-packed sequence separately). Packed sequences are attended in groups of consecutive sequences
-of at most GROUP_TOKENS tokens under a block-diagonal causal mask (a longer one alone, without a
-mask), so attention never crosses a sequence boundary and no mask exceeds GROUP_TOKENS^2.
+packed sequence separately).
+
+Packed sequences (THD) never attend across a boundary. Without CP, the micro-batch carries a plan
+(`PackedRowsParams`, made by batch.build_microbatch): its sequences in buckets of similar
+lengths, each bucket gathered into right-padded rows and attended causally in one call with no
+mask, which on short sequences costs what the padded layout's single call does. Under CP (or
+without a plan) consecutive sequences are attended in groups of at most GROUP_TOKENS tokens
+under a block-diagonal causal mask over the global positions (a longer one alone), so no mask
+exceeds GROUP_TOKENS^2.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -33,6 +41,16 @@ def cp_chunk_positions(
     first = torch.arange(chunk, device=device) + cp_rank * chunk
     second = torch.arange(chunk, device=device) + (2 * cp_size - 1 - cp_rank) * chunk
     return torch.cat([first, second])
+
+
+@dataclass
+class PackedRowsParams(PackedSeqParams):
+    """megatron's THD parameters plus the micro-batch's attention plan for LocalCoreAttention
+    (batch.MicroBatch.attention_*); transformer-engine reads the THD fields alone."""
+
+    row_shapes: list[tuple[int, int]] = field(default_factory=list)
+    row_index: torch.Tensor | None = None
+    row_inverse: torch.Tensor | None = None
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -120,6 +138,8 @@ class LocalCoreAttention(MegatronModule):
         """THD: [t, heads, d] with sequences end to end (this CP rank's chunks of each)."""
         if params.qkv_format != "thd":
             raise ValueError(f"packed sequences in format {params.qkv_format!r}; expected 'thd'")
+        if cp_size == 1 and isinstance(params, PackedRowsParams) and params.row_shapes:
+            return self._packed_rows(query, key, value, params)
         boundaries = params.cu_seqlens_q_padded
         if boundaries is None:
             boundaries = params.cu_seqlens_q
@@ -151,21 +171,48 @@ class LocalCoreAttention(MegatronModule):
             start += size
         return torch.cat(outputs)
 
+    def _packed_rows(self, query, key, value, params: PackedRowsParams) -> torch.Tensor:
+        """THD [t, heads, d] attended as the plan's buckets of right-padded rows, causally."""
+        if params.row_inverse.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"the attention plan covers {params.row_inverse.shape[0]} tokens, the input has "
+                f"{query.shape[0]}"
+            )
+        # Slots past a sequence's end (a copy of token 0) come after its real tokens: causal
+        # attention keeps them from every real query, their outputs are never gathered back,
+        # and so the gradient they send to token 0 is exactly zero.
+        outputs, offset = [], 0
+        for rows, width in params.row_shapes:
+            index = params.row_index[offset : offset + rows * width]
+            offset += rows * width
+            # [rows * width, heads, d] -> [rows, heads, width, d]
+            q_b, k_b, v_b = (
+                x[index].view((rows, width) + tuple(x.shape[1:])).transpose(1, 2)
+                for x in (query, key, value)
+            )
+            out = self._sdpa(q_b, k_b, v_b, None)
+            outputs.append(out.transpose(1, 2).reshape(rows * width, -1))
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return out[params.row_inverse]
+
     def _attend(self, query, key, value, mask) -> torch.Tensor:
         """[s, b, heads, d] queries, [sk, b, groups, d] keys and values -> [s, b, heads * d]."""
         sq, batch, heads, _ = query.shape
-        groups = key.shape[2]
-        q = query.permute(1, 2, 0, 3)
-        k = key.permute(1, 2, 0, 3)
-        v = value.permute(1, 2, 0, 3)
-        if heads != groups:
-            k = k.repeat_interleave(heads // groups, dim=1)
-            v = v.repeat_interleave(heads // groups, dim=1)
-        context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale
+        context = self._sdpa(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), mask
         )
         # [b, heads, s, d] -> [s, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(sq, batch, heads * self.head_dim)
+
+    def _sdpa(self, q, k, v, mask) -> torch.Tensor:
+        """[b, heads, s, d] queries, [b, groups, sk, d] keys and values; causal without a mask."""
+        heads, groups = q.shape[1], k.shape[1]
+        if heads != groups:
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale
+        )
 
 
 # Consecutive packed sequences are attended together up to this many tokens (one masked call

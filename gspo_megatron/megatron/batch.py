@@ -17,10 +17,12 @@ Under context parallelism every sequence is cut into 2*cp chunks and a rank hold
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
+import numpy as np
 import torch
 
 from gspo_megatron.spec.sample import TrainSample
@@ -54,6 +56,13 @@ class MicroBatch:
     returns: torch.Tensor | None = None  # [b, s_row]
     routed_experts: torch.Tensor | None = None  # model layout + [layers, top_k] int32
     version_lags: torch.Tensor | None = None  # [b, s_row] float32 (whole numbers)
+    # Packed without CP: how attention runs the sequences as padded rows (attention_buckets):
+    # for each bucket of similar lengths, (rows, row length); `attention_index` lists, bucket
+    # after bucket and row after row, the packed token of every slot (0 for the slots past a
+    # sequence's end); `attention_inverse` [T] each packed token's slot.
+    attention_shapes: list[tuple[int, int]] = field(default_factory=list)
+    attention_index: torch.Tensor | None = None
+    attention_inverse: torch.Tensor | None = None
 
     @property
     def packed(self) -> bool:
@@ -129,6 +138,8 @@ def karmarkar_karp(costs: Sequence[int], parts: int) -> list[list[int]]:
     is empty when there are at least `parts` items."""
     if len(costs) < parts:
         raise ValueError(f"{len(costs)} items cannot fill {parts} groups")
+    if parts == 1:
+        return [list(range(len(costs)))]
     heap = []
     for i, cost in enumerate(costs):
         groups = [(cost, [i])] + [(0, []) for _ in range(parts - 1)]
@@ -248,6 +259,9 @@ def build_microbatch(
     multiple: the length (padded: of each row; packed: of the row) is a multiple of it.
     packed: sequences end to end, each padded to a multiple of 2*cp (under CP), the last one
     further so that the total is a multiple of `multiple`.
+
+    Every field is first laid out as right-padded [b, s] rows (`_padded_rows`, one vectorised
+    fill per field), then this rank's tokens are picked from them for each layout.
     """
     chosen = [samples[i] for i in indices]
     b = len(chosen)
@@ -258,37 +272,45 @@ def build_microbatch(
     else:
         seq_lengths = [padded_length(max(s.length for s in chosen), multiple)] * b
     full = _padded_rows(chosen, max(seq_lengths), pad_id, token_advantages)
-    # This CP rank's positions of every sequence, and where they land in the packed row.
-    local = [cp_index(n, cp_size, cp_rank) if cp_size > 1 else torch.arange(n) for n in seq_lengths]
-    row_len = max(len(x) for x in local)
+    # This CP rank's positions of every sequence, and where they land in its row.
+    local_lengths = np.array(seq_lengths) // cp_size
+    row_len = int(local_lengths.max())
     # Every kept token as (sequence, position in it, column in its row), in packed order.
-    rows = torch.cat([torch.full((len(x),), row) for row, x in enumerate(local)])
-    positions = torch.cat(local)
-    columns = torch.cat([torch.arange(len(x)) for x in local])
+    rows = np.repeat(np.arange(b), local_lengths)
+    starts = np.concatenate([[0], np.cumsum(local_lengths)])
+    columns = np.arange(int(starts[-1])) - np.repeat(starts[:-1], local_lengths)
+    if cp_size > 1:
+        positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
+    else:
+        positions = columns
+    # Without CP both layouts of padded rows are the rows themselves.
+    whole_rows = cp_size == 1 and not packed
 
-    def to_rows(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or t.dim() < 2:
-            return t
-        out = t.new_zeros((b, row_len) + tuple(t.shape[2:]))
+    def to_rows(t: np.ndarray | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if t.ndim < 2 or whole_rows:
+            return torch.from_numpy(t)
+        out = np.zeros((b, row_len) + t.shape[2:], dtype=t.dtype)
         out[rows, columns] = t[rows, positions]
-        return out
+        return torch.from_numpy(out)
 
-    def to_model(t: torch.Tensor | None) -> torch.Tensor | None:
+    def to_model(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None or not packed:
             return to_rows(t)
-        return t[rows, positions][None]
+        return torch.from_numpy(t[rows, positions][None])
 
     row_index = cu_seqlens = None
     if packed:
-        starts = torch.tensor([0] + [len(x) for x in local]).cumsum(0)
         total = int(starts[-1])
-        column = torch.arange(row_len)
-        row_index = torch.where(
-            column[None, :] < torch.tensor([len(x) for x in local])[:, None],
-            starts[:-1, None] + column[None, :],
-            total,
+        column = np.arange(row_len)
+        row_index = torch.from_numpy(
+            np.where(column[None, :] < local_lengths[:, None], starts[:-1, None] + column, total)
         )
-        cu_seqlens = torch.tensor([0] + seq_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_seqlens = torch.from_numpy(np.cumsum([0] + seq_lengths, dtype=np.int32))
+    attention = _AttentionRows([], None, None)
+    if packed and cp_size == 1:
+        attention = _attention_rows(seq_lengths)
     return MicroBatch(
         indices=list(indices),
         tokens=to_model(full["tokens"]),
@@ -308,94 +330,213 @@ def build_microbatch(
         returns=to_rows(full["returns"]),
         routed_experts=to_model(full["routed_experts"]),
         version_lags=to_rows(full["version_lags"]),
+        attention_shapes=attention.shapes,
+        attention_index=attention.index,
+        attention_inverse=attention.inverse,
     )
+
+
+# One call of the attention kernel costs about as much as this many query-key pairs of its
+# arithmetic (measured on CPU with the tiny models' heads: ~0.05 ms a call, 15-60 ns a pair):
+# sequences of different lengths share a padded call while their padding costs less.
+ATTENTION_CALL_PAIRS = 64 * 64
+
+
+def attention_buckets(lengths: Sequence[int]) -> list[list[int]]:
+    """Sequences (indices of `lengths`) grouped for attention as padded rows, one kernel call
+    per group, longest first: of the splits of the sequences sorted by length, the one with the
+    least Σ over groups of (rows x longest² + ATTENTION_CALL_PAIRS). Uniform lengths make one
+    group (the padded layout's single call), long tails one per band of similar lengths."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    # Splitting equal lengths never pays, so groups are runs of distinct lengths.
+    distinct, counts = np.unique(np.array([lengths[i] for i in order]), return_counts=True)
+    distinct, counts = distinct[::-1].astype(np.float64), counts[::-1]
+    before = np.concatenate([[0], np.cumsum(counts)])
+    cost = np.zeros(len(distinct) + 1)
+    start = np.zeros(len(distinct) + 1, dtype=np.int64)
+    for j in range(1, len(distinct) + 1):
+        # the last group holds distinct lengths i..j-1, padded to distinct[i]
+        options = cost[:j] + (before[j] - before[:j]) * distinct[:j] ** 2 + ATTENTION_CALL_PAIRS
+        start[j] = int(np.argmin(options))
+        cost[j] = options[start[j]]
+    groups, j = [], len(distinct)
+    while j > 0:
+        groups.append(order[before[start[j]] : before[j]])
+        j = int(start[j])
+    return groups[::-1]
+
+
+@dataclass
+class _AttentionRows:
+    shapes: list[tuple[int, int]]
+    index: torch.Tensor | None
+    inverse: torch.Tensor | None
+
+
+def _attention_rows(seq_lengths: Sequence[int]) -> _AttentionRows:
+    """The micro-batch's attention_shapes / attention_index / attention_inverse."""
+    starts = np.concatenate([[0], np.cumsum(seq_lengths)])
+    total = int(starts[-1])
+    shapes, index, inverse = [], [], np.empty(total, dtype=np.int64)
+    offset = 0
+    for group in attention_buckets(seq_lengths):
+        lengths = np.array([seq_lengths[i] for i in group])
+        width = int(lengths.max())
+        column = np.arange(width)
+        real = column[None, :] < lengths[:, None]
+        tokens = starts[group][:, None] + column[None, :]
+        index.append(np.where(real, tokens, 0).reshape(-1))
+        inverse[tokens[real]] = offset + np.flatnonzero(real.reshape(-1))
+        shapes.append((len(group), width))
+        offset += len(group) * width
+    return _AttentionRows(
+        shapes, torch.from_numpy(np.concatenate(index)), torch.from_numpy(inverse)
+    )
+
+
+def response_mask(samples: Sequence[TrainSample]) -> torch.Tensor:
+    """[b, longest response] float32: each response's loss mask (1 where none is given), 0 past
+    its end."""
+    lengths = np.array([len(s.response_ids) for s in samples])
+    width = int(lengths.max())
+    mask = np.zeros(len(samples) * width, dtype=np.float32)
+    mask[_flat_index(np.arange(len(samples)) * width, lengths)] = _floats(
+        [
+            itertools.repeat(1.0, n) if s.loss_mask is None else s.loss_mask
+            for s, n in zip(samples, lengths.tolist(), strict=True)
+        ],
+        int(lengths.sum()),
+    )
+    return torch.from_numpy(mask.reshape(len(samples), width))
+
+
+def _flat_index(row_starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Flat positions row_starts[i] + 0..counts[i]-1 of every i, concatenated."""
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return np.arange(int(counts.sum())) + np.repeat(row_starts - starts, counts)
+
+
+def _floats(values: Sequence[Sequence[float]], count: int) -> np.ndarray:
+    """Concatenated lists of floats as float32 (each rounded as torch.tensor(float32) does)."""
+    return np.fromiter(itertools.chain.from_iterable(values), dtype=np.float32, count=count)
 
 
 def _padded_rows(
     chosen: Sequence[TrainSample], seq_len: int, pad_id: int, token_advantages: bool
-) -> dict[str, torch.Tensor | None]:
+) -> dict[str, np.ndarray | None]:
     """Every field as [b, seq_len] right-padded rows (per-sequence values as [b])."""
     b = len(chosen)
-    tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((b, seq_len), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(b, seq_len, dtype=torch.float32)
-    has_label = torch.zeros(b, seq_len, dtype=torch.bool)
-    adv = torch.zeros(b, seq_len) if token_advantages else torch.zeros(b)
+    lengths = np.array([s.length for s in chosen])
+    prompt_lengths = np.array([len(s.prompt_ids) for s in chosen])
+    response_lengths = lengths - prompt_lengths
+    row_starts = np.arange(b) * seq_len
+    # Label-aligned response positions: row r, columns prompt_len-1 .. len-2.
+    response = _flat_index(row_starts + prompt_lengths - 1, response_lengths)
+    n_response = int(response_lengths.sum())
 
-    def aligned(name: str) -> torch.Tensor | None:
-        if all(getattr(s, name) is None for s in chosen):
+    tokens = np.full(b * seq_len, pad_id, dtype=np.int64)
+    tokens[_flat_index(row_starts, lengths)] = np.fromiter(
+        itertools.chain.from_iterable(
+            itertools.chain(s.prompt_ids, s.response_ids) for s in chosen
+        ),
+        dtype=np.int64,
+        count=int(lengths.sum()),
+    )
+    tokens = tokens.reshape(b, seq_len)
+    # Each position's next token; a sequence's last position reads the padding after it.
+    labels = np.full((b, seq_len), pad_id, dtype=np.int64)
+    labels[:, :-1] = tokens[:, 1:]
+    has_label = np.arange(seq_len)[None, :] < (lengths - 1)[:, None]
+
+    def aligned(values: list) -> np.ndarray:
+        out = np.zeros(b * seq_len, dtype=np.float32)
+        out[response] = _floats(values, n_response)
+        return out.reshape(b, seq_len)
+
+    def optional(name: str) -> np.ndarray | None:
+        values = [getattr(s, name) for s in chosen]
+        if all(v is None for v in values):
             return None
-        out = torch.zeros(b, seq_len, dtype=torch.float32)
-        for row, s in enumerate(chosen):
-            values = getattr(s, name)
-            if values is None:
-                raise ValueError(f"{name} is given for some samples of a micro-batch but not all")
-            start = len(s.prompt_ids) - 1
-            out[row, start : start + len(values)] = torch.tensor(values, dtype=torch.float32)
-        return out
+        if any(v is None for v in values):
+            raise ValueError(f"{name} is given for some samples of a micro-batch but not all")
+        return aligned(values)
 
-    for row, s in enumerate(chosen):
-        ids = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
-        n = len(ids)
-        tokens[row, :n] = ids
-        labels[row, : n - 1] = ids[1:]
-        has_label[row, : n - 1] = True
-        start = len(s.prompt_ids) - 1
-        if s.loss_mask is None:
-            loss_mask[row, start : n - 1] = 1.0
-        else:
-            loss_mask[row, start : n - 1] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        if token_advantages:
-            values = (
-                s.advantage if isinstance(s.advantage, list) else [s.advantage] * (n - 1 - start)
-            )
-            adv[row, start : n - 1] = torch.tensor(values, dtype=torch.float32)
-        else:
-            if isinstance(s.advantage, list):
-                raise ValueError("token-level advantages given to a sequence-level loss")
-            adv[row] = float(s.advantage)
-    routed = None
-    if any(s.routed_experts is not None for s in chosen):
-        first = next(s.routed_experts for s in chosen if s.routed_experts is not None)
-        # Positions without a recorded route (padding, the last token) get the experts
-        # 0..k-1: a valid, duplicate-free choice whose outputs are never used.
-        top_k = first.shape[-1]
-        routed = (
-            torch.arange(top_k, dtype=torch.int32)
-            .expand((b, seq_len) + tuple(first.shape[1:]))
-            .clone()
+    loss_mask = aligned(
+        [
+            itertools.repeat(1.0, n) if s.loss_mask is None else s.loss_mask
+            for s, n in zip(chosen, response_lengths.tolist(), strict=True)
+        ]
+    )
+    if token_advantages:
+        advantages = aligned(
+            [
+                s.advantage if isinstance(s.advantage, list) else itertools.repeat(s.advantage, n)
+                for s, n in zip(chosen, response_lengths.tolist(), strict=True)
+            ]
         )
-        for row, s in enumerate(chosen):
-            if s.routed_experts is None:
-                raise ValueError("routed experts are given for some samples but not all")
-            routes = torch.as_tensor(s.routed_experts, dtype=torch.int32)
-            routed[row, : routes.shape[0]] = routes
+    else:
+        if any(isinstance(s.advantage, list) for s in chosen):
+            raise ValueError("token-level advantages given to a sequence-level loss")
+        advantages = np.array([float(s.advantage) for s in chosen], dtype=np.float32)
     sequence_weights = _sequence_weights(chosen)
     return {
         "tokens": tokens,
-        "position_ids": torch.arange(seq_len).expand(b, seq_len).contiguous(),
+        "position_ids": np.broadcast_to(np.arange(seq_len), (b, seq_len)).copy(),
         "labels": labels,
         "has_label": has_label,
         "loss_mask": loss_mask,
-        "advantages": adv,
-        "old_logprobs": aligned("old_logprobs"),
-        "ref_logprobs": aligned("ref_logprobs"),
-        "is_weights": sequence_weights if sequence_weights is not None else aligned("is_weights"),
-        "old_values": aligned("old_values"),
-        "returns": aligned("returns"),
-        "routed_experts": routed,
-        "version_lags": aligned("version_lags"),
+        "advantages": advantages,
+        "old_logprobs": optional("old_logprobs"),
+        "ref_logprobs": optional("ref_logprobs"),
+        "is_weights": sequence_weights if sequence_weights is not None else optional("is_weights"),
+        "old_values": optional("old_values"),
+        "returns": optional("returns"),
+        "routed_experts": _padded_routes(chosen, seq_len, row_starts),
+        "version_lags": optional("version_lags"),
     }
 
 
-def _sequence_weights(chosen: Sequence[TrainSample]) -> torch.Tensor | None:
+def _padded_routes(
+    chosen: Sequence[TrainSample], seq_len: int, row_starts: np.ndarray
+) -> np.ndarray | None:
+    """Routes as [b, seq_len, layers, top_k] int32; positions without a recorded route (padding,
+    the last token) get the experts 0..k-1: a valid, duplicate-free choice whose outputs are
+    never used."""
+    routes = [s.routed_experts for s in chosen]
+    if all(r is None for r in routes):
+        return None
+    if any(r is None for r in routes):
+        raise ValueError("routed experts are given for some samples but not all")
+    routes = [np.asarray(r) for r in routes]
+    per_token = routes[0].shape[1:]
+    out = np.broadcast_to(
+        np.arange(per_token[-1], dtype=np.int32), (len(chosen) * seq_len,) + per_token
+    ).copy()
+    counts = np.array([r.shape[0] for r in routes])
+    out[_flat_index(row_starts, counts)] = np.concatenate(routes).astype(np.int32)
+    return out.reshape((len(chosen), seq_len) + per_token)
+
+
+def _sequence_weights(chosen: Sequence[TrainSample]) -> np.ndarray | None:
     """[b] when the samples carry one importance weight each, else None (token weights or none)."""
     per_sequence = [isinstance(s.is_weights, int | float) for s in chosen]
     if not any(per_sequence):
         return None
     if not all(per_sequence):
         raise ValueError("is_weights are one per sequence for some samples of a micro-batch only")
-    return torch.tensor([float(s.is_weights) for s in chosen], dtype=torch.float32)
+    return np.array([float(s.is_weights) for s in chosen], dtype=np.float32)
+
+
+def _cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> np.ndarray:
+    """`cp_index` on the host, as a numpy array."""
+    chunk = seq_len // (2 * cp_size)
+    last = 2 * cp_size - 1 - cp_rank
+    return np.concatenate(
+        [
+            np.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+            np.arange(last * chunk, (last + 1) * chunk),
+        ]
+    )
 
 
 def cp_index(

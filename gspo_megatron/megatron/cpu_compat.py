@@ -275,13 +275,19 @@ class _CpuDeviceTorch(types.ModuleType):
     memory) get plain CPU memory.
 
     Installed as the module-global `torch` of the few megatron modules that hard-code
-    `device="cuda"`; every other attribute is torch's own.
+    `device="cuda"`; every other attribute is torch's own, bound here when it is made (hot
+    paths such as the MoE dispatcher look names up thousands of times a step), the rest
+    (submodules torch imports lazily) looked up on use.
     """
 
     _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like")
 
     def __init__(self) -> None:
         super().__init__("torch")
+        self.__dict__.update(
+            {k: v for k, v in vars(torch).items() if not k.startswith("__")}
+            | {name: _cpu_factory(getattr(torch, name)) for name in self._FACTORIES}
+        )
 
     def __getattr__(self, name: str):
         attr = getattr(torch, name)
@@ -360,6 +366,15 @@ def _patch_megatron() -> None:
     p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
     p2p.P2PCommunicator._communicate_shapes = _communicate_shapes_in_order
 
+    # Every megatron linear layer runs through a custom autograd Function that exists for
+    # tensor-parallel communication and fused gradient accumulation. Without either (no TP, or a
+    # row-parallel layer, no SP) it computes the same matmul: under plain autograd that gives
+    # bitwise the same outputs and gradients, without its Python forward and backward.
+    layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+    layers.linear_with_grad_accumulation_and_async_allreduce = _plain_linear_when_local(
+        layers.linear_with_grad_accumulation_and_async_allreduce
+    )
+
     # Unfused RoPE for packed sequences applies each sequence separately: four kernels per
     # sequence, layer and q/k, which on CPU costs more than the attention itself. Gathering each
     # token's frequencies at once is the same elementwise arithmetic.
@@ -383,6 +398,31 @@ def _patch_megatron() -> None:
     )
 
 
+def _plain_linear_when_local(linear):
+    @functools.wraps(linear)
+    def run(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+            sequence_parallel, grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None,
+            gtp_remat_size=1):  # fmt: skip
+        if (
+            gradient_accumulation_fusion
+            or allreduce_dgrad
+            or sequence_parallel
+            or grad_output_buffer is not None
+            or wgrad_deferral_limit
+            or gtp_remat_size != 1
+        ):
+            return linear(
+                input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group,
+                gtp_remat_size,
+            )  # fmt: skip
+        # megatron's forward, exactly
+        output = torch.matmul(input, weight.t())
+        return output + bias if bias is not None else output
+
+    return run
+
+
 def _rope_thd_gathered(rope):
     per_sequence = rope._apply_rotary_pos_emb_thd
 
@@ -400,16 +440,21 @@ def _rope_thd_gathered(rope):
                 multi_latent_attention=multi_latent_attention,
             )  # fmt: skip
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
-        positions = []
-        for length in ((cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size).tolist():
-            if cp_size == 1:
-                positions.append(torch.arange(length))
-                continue
-            # This rank's chunks r and 2*cp-1-r of the sequence (megatron's THD CP layout).
-            chunk = length // 2
-            positions.append(torch.arange(chunk) + cp_rank * chunk)
-            positions.append(torch.arange(chunk) + (2 * cp_size - 1 - cp_rank) * chunk)
-        index = torch.cat(positions).to(freqs.device)
+        # Every local token's position in its sequence, from the boundaries alone.
+        local = (cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size
+        starts = torch.cumsum(local, 0) - local
+        offset = torch.arange(t.shape[0], device=local.device) - torch.repeat_interleave(
+            starts, local, output_size=t.shape[0]
+        )
+        if cp_size > 1:
+            # This rank's chunks r and 2*cp-1-r of each sequence (megatron's THD CP layout).
+            chunk = torch.repeat_interleave(local // 2, local, output_size=t.shape[0])
+            offset = torch.where(
+                offset < chunk,
+                offset + cp_rank * chunk,
+                offset - chunk + (2 * cp_size - 1 - cp_rank) * chunk,
+            )
+        index = offset.to(freqs.device)
         return rope._apply_rotary_pos_emb_bshd(
             t.unsqueeze(1), freqs[index], rotary_interleaved=rotary_interleaved,
             mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale,

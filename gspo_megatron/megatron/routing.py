@@ -130,7 +130,8 @@ class RouteRecorder:
             counts = torch.zeros(self.num_layers, 4, dtype=torch.int64, device=accelerator())
         self._counts = None
         counts = counts.double()
-        dist.all_reduce(counts)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(counts)
         changed, compared, replayed, routed = counts.unbind(-1)
         sums = {
             "moe/route_change_fraction/sum": changed.sum(),
@@ -159,17 +160,19 @@ class RouteRecorder:
                 parts = [torch.empty_like(wide) for _ in range(cp)]
                 dist.all_gather(parts, wide, group=cp_group)
                 routes = assemble_cp_rows(parts, out["seq_lengths"].tolist()).to(torch.int16)
-            routes = routes.cpu()  # one copy per micro-batch
+            routes = routes.cpu().numpy()  # one copy per micro-batch
             for row, index in enumerate(out["indices"]):
                 n = samples[index].length - 1
                 for j, layer in enumerate(out["layers"]):
-                    local[index][layer] = routes[row, :n, j].numpy().copy()
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, dict(local))
-        by_sample: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
-        for part in gathered:
-            for index, layers in part.items():
-                by_sample[index].update(layers)
+                    local[index][layer] = routes[row, :n, j]
+        by_sample: dict[int, dict[int, np.ndarray]] = local
+        if dist.get_world_size() > 1:
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, dict(local))
+            by_sample = defaultdict(dict)
+            for part in gathered:
+                for index, layers in part.items():
+                    by_sample[index].update(layers)
         result = []
         for i in range(len(samples)):
             layers = by_sample[i]
@@ -177,6 +180,7 @@ class RouteRecorder:
                 raise RuntimeError(
                     f"routes of sample {i} cover {len(layers)} of {self.num_layers} layers"
                 )
+            # np.stack copies: no sample keeps its micro-batch's array alive
             result.append(np.stack([layers[layer] for layer in range(self.num_layers)], axis=1))
         return result
 

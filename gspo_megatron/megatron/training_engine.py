@@ -26,7 +26,6 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.inference.utils import InferenceMode
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gspo_megatron.algorithms.gae import value_loss_terms
@@ -39,6 +38,7 @@ from gspo_megatron.algorithms.metrics import (
 )
 from gspo_megatron.config_fields import raise_on_problems
 from gspo_megatron.device import accelerator, pinned_for_accelerator
+from gspo_megatron.megatron.attention import PackedRowsParams
 from gspo_megatron.megatron.batch import (
     MicroBatch,
     assemble_cp_rows,
@@ -46,6 +46,7 @@ from gspo_megatron.megatron.batch import (
     padded_length,
     plan_packed,
     plan_padded,
+    response_mask,
 )
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.megatron.lora import freeze_base, init_adapters
@@ -765,11 +766,7 @@ class TrainingEngine:
 
     def _global_denominator(self, samples: Sequence[TrainSample], loss: LossSettings) -> float:
         """D of the normalisation contract over the whole minibatch (known before the forward)."""
-        lengths = [len(s.response_ids) for s in samples]
-        mask = torch.zeros(len(samples), max(lengths))
-        for row, s in enumerate(samples):
-            mask[row, : lengths[row]] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask)
-        return float(max(int(denominator_count(loss.name, mask)), 1))
+        return float(max(int(denominator_count(loss.name, response_mask(samples))), 1))
 
     def _cp_sum(self, partial_sums: torch.Tensor) -> torch.Tensor:
         return _AllReduceSum.apply(partial_sums, self._cp_group)
@@ -782,7 +779,8 @@ class TrainingEngine:
         for m in self.model:
             for buffer in list(m.buffers) + list(m.expert_parallel_buffers):
                 nonfinite += ~torch.isfinite(buffer.grad_data.sum())
-        dist.all_reduce(nonfinite)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(nonfinite)
         return nonfinite.item() == 0.0
 
     # -- gathering results ---------------------------------------------------------------------
@@ -797,19 +795,32 @@ class TrainingEngine:
         if self._is_last_stage():
             keys = sorted(per_mb[0].keys())
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            for op, torch_op, combine in (
-                ("sum", dist.ReduceOp.SUM, torch.add),
-                ("max", dist.ReduceOp.MAX, torch.maximum),
-                ("min", dist.ReduceOp.MIN, torch.minimum),
+            alone = dist.get_world_size(group) == 1
+            reduced, names = [], []
+            # Sums in one all-reduce; maxima and minima (negated) in one MAX all-reduce.
+            for ops, torch_op in (
+                (("sum",), dist.ReduceOp.SUM),
+                (("max", "min"), dist.ReduceOp.MAX),
             ):
-                op_keys = [k for k in keys if metric_reduce_op(k) == op]
+                op_keys = [k for k in keys if metric_reduce_op(k) in ops]
                 if not op_keys:
                     continue
-                # One float64 vector per micro-batch, combined left to right on the device and
-                # read back once.
-                local = reduce(combine, (torch.stack([d[k] for k in op_keys]) for d in per_mb))
-                dist.all_reduce(local, op=torch_op, group=group)
-                result.update(zip(op_keys, local.tolist(), strict=True))
+                signs = torch.tensor(
+                    [-1.0 if metric_reduce_op(k) == "min" else 1.0 for k in op_keys],
+                    dtype=torch.float64,
+                    device=per_mb[0][op_keys[0]].device,
+                )
+                # One float64 vector per micro-batch, combined left to right on the device.
+                combine = torch.add if ops == ("sum",) else torch.maximum
+                local = reduce(
+                    combine, (torch.stack([d[k] for k in op_keys]) * signs for d in per_mb)
+                )
+                if not alone:
+                    dist.all_reduce(local, op=torch_op, group=group)
+                reduced.append(local * signs)
+                names.extend(op_keys)
+            # read back once
+            result.update(zip(names, torch.cat(reduced).tolist(), strict=True))
         return self._broadcast_from_last_stage(result)
 
     def _is_last_stage(self) -> bool:
@@ -837,11 +848,15 @@ class TrainingEngine:
                 s = samples[index]
                 start = len(s.prompt_ids) - 1
                 local[index] = values[row, start : start + len(s.response_ids)].numpy().copy()
-        gathered: list = [None] * self.layout.dp
-        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
         merged: dict[int, np.ndarray] = {}
-        for part in gathered:
-            merged.update(part)
+        if self.layout.dp == 1:
+            merged = local
+        else:
+            gathered: list = [None] * self.layout.dp
+            group = parallel_state.get_data_parallel_group()
+            dist.all_gather_object(gathered, local, group=group)
+            for part in gathered:
+                merged.update(part)
         merged = self._broadcast_from_last_stage(merged)
         return [merged[i] for i in range(len(samples))]
 
@@ -854,10 +869,10 @@ class TrainingEngine:
         return assemble_cp_rows(parts, seq_lengths.tolist()).float()
 
 
-def _packed_seq_params(mb: MicroBatch) -> PackedSeqParams | None:
+def _packed_seq_params(mb: MicroBatch) -> PackedRowsParams | None:
     if not mb.packed:
         return None
-    return PackedSeqParams(
+    return PackedRowsParams(
         qkv_format="thd",
         cu_seqlens_q=mb.cu_seqlens,
         cu_seqlens_kv=mb.cu_seqlens,
@@ -865,6 +880,9 @@ def _packed_seq_params(mb: MicroBatch) -> PackedSeqParams | None:
         cu_seqlens_kv_padded=mb.cu_seqlens,
         max_seqlen_q=mb.max_seqlen,
         max_seqlen_kv=mb.max_seqlen,
+        row_shapes=mb.attention_shapes,
+        row_index=mb.attention_index,
+        row_inverse=mb.attention_inverse,
     )
 
 

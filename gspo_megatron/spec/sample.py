@@ -39,6 +39,19 @@ class TrainSample:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
+# Fields with one value per response token (is_weights may also be one float per sequence).
+_PER_TOKEN = (
+    "old_logprobs",
+    "ref_logprobs",
+    "rollout_logprobs",
+    "loss_mask",
+    "is_weights",
+    "old_values",
+    "returns",
+    "version_lags",
+)
+
+
 def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
     for i, sample in enumerate(samples):
         if not sample.prompt_ids:
@@ -54,16 +67,7 @@ def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
                 f"maximum sequence length {max_length} (engine.max_sequence_length)"
             )
         n = len(sample.response_ids)
-        for name in (
-            "old_logprobs",
-            "ref_logprobs",
-            "rollout_logprobs",
-            "loss_mask",
-            "is_weights",
-            "old_values",
-            "returns",
-            "version_lags",
-        ):
+        for name in _PER_TOKEN:
             values = getattr(sample, name)
             if isinstance(values, list | tuple) and len(values) != n:
                 raise ValueError(

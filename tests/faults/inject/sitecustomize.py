@@ -263,7 +263,7 @@ _PATCHES = {
     "gspo_megatron.megatron.training_engine": _patch_engine,
     "gspo_megatron.run_files": _patch_run_files,
     "gspo_megatron.megatron.checkpointing": _patch_checkpointing,
-    "gspo_megatron.rollout.weight_export": _patch_weight_export,
+    "gspo_megatron.megatron.weight_export": _patch_weight_export,
 }
 
 
