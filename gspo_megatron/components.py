@@ -52,7 +52,13 @@ def build_trainer(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout, ru
     parallel.initialize(layout, seed=cfg.seed)
     engine = build_policy_engine(cfg, model, layout)
     reference = None
-    if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0:
+    kl_to_initial_policy = cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0
+    if kl_to_initial_policy and cfg.lora.enabled:
+        from gspo_megatron.megatron.lora import BaseModelReference
+
+        # LoRA: the policy's base model, adapters off (its weights never train).
+        reference = BaseModelReference(engine)
+    elif kl_to_initial_policy:
         from gspo_megatron.megatron.training_engine import TrainingEngine
 
         # The initial policy, frozen: copied before a resume loads the policy's checkpoint, so a
@@ -145,6 +151,8 @@ def build_policy_engine(cfg: RunConfig, model: ModelConfig, layout: ParallelLayo
         decay_steps=cfg.decay_steps,
         moe_aux_loss=cfg.algorithm.moe_aux_loss,
         moe_aux_loss_coef=cfg.algorithm.moe_aux_loss_coef,
+        lora=cfg.lora,
+        lora_seed=cfg.seed,
     )
     if cfg.model.init_from:
         init_weights(engine, cfg.model.init_from)
@@ -220,7 +228,7 @@ def build_critic(cfg: RunConfig, policy, run_dir: Path):
 
 def init_weights(engine, source: str) -> None:
     """Initial weights from a gspo-megatron checkpoint or a Hugging Face directory."""
-    from gspo_megatron.checkpoint.meta import architecture_difference, is_checkpoint
+    from gspo_megatron.checkpoint.meta import architecture_difference, is_checkpoint, read_meta
     from gspo_megatron.checkpoint.reading import read_model_config
     from gspo_megatron.megatron.weight_loading import load_engine_weights
 
@@ -230,6 +238,13 @@ def init_weights(engine, source: str) -> None:
         difference = architecture_difference(saved, engine.model_config)
         if difference:
             raise ConfigError(f"model.init_from={source}: {difference}")
+        lora = read_meta(path).get("lora") if is_checkpoint(path) else None
+        if lora:
+            raise ConfigError(
+                f"model.init_from={source} holds LoRA adapters (lora.rank={lora['rank']}): "
+                "starting or evaluating from a LoRA checkpoint is not built yet; its run resumes "
+                "with trainer.resume (docs/LORA.md)"
+            )
         load_engine_weights(engine, path)
         return
     raise ConfigError(

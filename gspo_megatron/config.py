@@ -26,6 +26,7 @@ from gspo_megatron.rewards.registry import RewardConfig
 from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
 from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.lora import LoRASettings, resolve_targets
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
@@ -383,6 +384,7 @@ class RunConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    lora: LoRASettings = field(default_factory=LoRASettings)
     logging: LoggingSection = field(default_factory=LoggingSection)
     stability: StabilitySection = field(default_factory=StabilitySection)
 
@@ -683,6 +685,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
     _check_task_labels(cfg)
     _check_room_for_the_end_token(cfg)
     _check_critic(cfg)
+    _check_lora(cfg, model)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
     _check_export(cfg, model)
@@ -845,6 +848,59 @@ def _check_critic(cfg: RunConfig) -> None:
             f"critic.optimizer.min_lr={critic.optimizer.min_lr:g} must not exceed "
             f"critic.optimizer.lr={critic.optimizer.lr:g}"
         )
+
+
+def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
+    """LoRA's keys, and what LoRA does not do yet refused by name (docs/LORA.md)."""
+    lora = cfg.lora
+    if not lora.enabled:
+        unused = [
+            f"lora.{f.name}"
+            for f in dataclasses.fields(LoRASettings)
+            if getattr(lora, f.name) != getattr(LoRASettings(), f.name)
+        ]
+        if unused:
+            raise ConfigError(
+                f"{unused[0]} is set but LoRA is off (lora.rank=null): set lora.rank to train "
+                "adapters"
+            )
+        return
+    try:
+        resolve_targets(lora.targets, model.is_moe)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    not_yet = [
+        (lora.dropout > 0, f"lora.dropout={lora.dropout:g}: adapter dropout is not built yet"),
+        (
+            cfg.engine.use_te is True,
+            "engine.use_te=true: LoRA adapts megatron's local layers, not transformer-engine's",
+        ),
+        (
+            not rollout_backend(cfg.rollout.engine).generates_with_adapters,
+            f"rollout.engine={cfg.rollout.engine}: weight sync of adapters (merged or through "
+            "SGLang's LoRA API) is not built yet; use rollout.engine=embedded, which generates "
+            "with the adapters themselves",
+        ),
+        (
+            cfg.trainer.export_hf_every > 0,
+            f"trainer.export_hf_every={cfg.trainer.export_hf_every}: the Hugging Face export of "
+            "a LoRA policy (merged, or as a PEFT adapter) is not built yet; set "
+            "trainer.export_hf_every=0",
+        ),
+        (
+            cfg.rollout.mode != "sync",
+            f"rollout.mode={cfg.rollout.mode}: the embedded generator process receives the "
+            "policy's weights in Hugging Face form, which does not carry adapters yet; use "
+            "rollout.mode=sync",
+        ),
+        (
+            cfg.algorithm.advantage == "gae",
+            "algorithm.advantage=gae: PPO's critic with a LoRA policy is not built yet",
+        ),
+    ]
+    for refused, reason in not_yet:
+        if refused:
+            raise ConfigError(f"lora.rank={lora.rank} with {reason} (docs/LORA.md)")
 
 
 def _check_clip_scale(cfg: RunConfig) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from gspo_megatron.rollout.backends import RolloutShare, memory_share
 from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.lora import LoRASettings, resolve_targets
 from gspo_megatron.spec.model_config import ModelConfig
 
 GIB = 2**30
@@ -74,10 +75,20 @@ class StageParams:
     layers: int
     dense: int  # attention, norms, router, embedding/output: gradients reduced over dp*cp
     expert: int  # routed experts: gradients reduced over edp
+    # LoRA adapters (lora.rank): the only trained parameters when there are any
+    adapter_dense: int = 0
+    adapter_expert: int = 0
 
     @property
     def total(self) -> int:
-        return self.dense + self.expert
+        return self.dense + self.expert + self.adapter_dense + self.adapter_expert
+
+    @property
+    def trained(self) -> tuple[int, int]:
+        """(dense, expert) parameters with gradients and optimizer state."""
+        if self.adapter_dense or self.adapter_expert:
+            return self.adapter_dense, self.adapter_expert
+        return self.dense, self.expert
 
 
 def layer_params(model: ModelConfig, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
@@ -99,12 +110,56 @@ def layer_params(model: ModelConfig, tp: int = 1, ep: int = 1, etp: int = 1) -> 
     return dense, expert
 
 
-def stage_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> StageParams:
-    """Exact parameter count of every rank of pipeline stage `stage`."""
+def lora_layer_params(
+    model: ModelConfig, lora: LoRASettings, tp: int = 1, ep: int = 1, etp: int = 1
+) -> tuple[int, int]:
+    """(dense, expert) LoRA adapter parameters of one decoder layer on one rank
+    (as the megatron package shards them: a column-parallel layer's B and a row-parallel layer's
+    A split like the weight, the other factor whole)."""
+    r, h, d = lora.rank, model.hidden_size, model.head_dim
+    targets = resolve_targets(lora.targets, model.is_moe)
+    nq, nkv = model.num_attention_heads, model.num_key_value_heads
+
+    def column(inputs: int, outputs: int, split: int) -> int:
+        return r * inputs + outputs // split * r
+
+    def row(inputs: int, outputs: int, split: int) -> int:
+        return r * (inputs // split) + outputs * r
+
+    dense = expert = 0
+    if "attention.linear_qkv" in targets:
+        dense += column(h, (nq + 2 * nkv) * d, tp)
+    if "attention.linear_proj" in targets:
+        dense += row(nq * d, h, tp)
+    if "mlp.linear_fc1" in targets:
+        dense += column(h, 2 * model.intermediate_size, tp)
+    if "mlp.linear_fc2" in targets:
+        dense += row(model.intermediate_size, h, tp)
+    per_expert = 0
+    if "experts.linear_fc1" in targets:
+        per_expert += column(h, 2 * model.moe_intermediate_size, etp)
+    if "experts.linear_fc2" in targets:
+        per_expert += row(model.moe_intermediate_size, h, etp)
+    if per_expert:
+        expert = model.num_experts // ep * per_expert
+    return dense, expert
+
+
+def stage_params(
+    model: ModelConfig, layout: ParallelLayout, stage: int, lora: LoRASettings | None = None
+) -> StageParams:
+    """Exact parameter count of every rank of pipeline stage `stage` (with `lora`'s adapters
+    when it is enabled)."""
     _check_divisible(model, layout)
     layers = model.num_hidden_layers // layout.pp
     dense, expert = layer_params(model, layout.tp, layout.ep, layout.etp)
     dense, expert = dense * layers, expert * layers
+    adapter_dense = adapter_expert = 0
+    if lora is not None and lora.enabled:
+        adapter_dense, adapter_expert = lora_layer_params(
+            model, lora, layout.tp, layout.ep, layout.etp
+        )
+        adapter_dense, adapter_expert = adapter_dense * layers, adapter_expert * layers
     vocab_rows = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
     if stage == 0:
         dense += vocab_rows  # embedding.word_embeddings
@@ -114,7 +169,14 @@ def stage_params(model: ModelConfig, layout: ParallelLayout, stage: int) -> Stag
             # Untied output layer; with tied embeddings and pp > 1 megatron keeps a copy of the
             # embedding on the last stage (kept equal by an all-reduce of its gradient).
             dense += vocab_rows
-    return StageParams(stage=stage, layers=layers, dense=dense, expert=expert)
+    return StageParams(
+        stage=stage,
+        layers=layers,
+        dense=dense,
+        expert=expert,
+        adapter_dense=adapter_dense,
+        adapter_expert=adapter_expert,
+    )
 
 
 def model_params(model: ModelConfig) -> int:
@@ -169,8 +231,12 @@ class PlanSettings:
     fragmentation: float = 0.10
     moe_imbalance: float = 1.0
     # A frozen copy of the initial policy for the KL penalty (algorithm.kl_coef > 0): weights
-    # only, no gradients or optimizer state.
+    # only, no gradients or optimizer state. (With LoRA the reference is the policy's own base
+    # model: no copy.)
     reference_model: bool = False
+    # LoRA adapters (the `lora` section): the policy's weights plus the adapters; gradients and
+    # optimizer state of the adapters only.
+    lora: LoRASettings | None = None
     # PPO's value model (algorithm.advantage=gae): the policy's architecture with weights,
     # gradients and optimizer state of its own, counted as the policy's (its scalar head for the
     # vocabulary projection: a slight overestimate), on critic_layout (None: the policy's); a
@@ -451,7 +517,7 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
     chunk_layers = model.num_hidden_layers // (layout.pp * layout.vpp)
     stages = []
     for stage in range(layout.pp):
-        params = stage_params(model, layout, stage)
+        params = stage_params(model, layout, stage, settings.lora)
         chunks = in_flight_chunks(layout, stage, settings.microbatches)
         full = chunks * chunk_layers * layer_act
         recompute = chunks * chunk_layers * layer_in + layer_act
@@ -463,7 +529,9 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
             recompute += head
         act = recompute if settings.recompute else full
         gen, train = _rollout_share(model, layout, settings, stage)
-        weights, grads, optimizer = training_state_gib(model, layout, stage, settings)
+        weights, grads, optimizer = training_state_gib(
+            model, layout, stage, settings, settings.lora
+        )
         reference = weights if settings.reference_model else 0.0
         critic = critic_optimizer = 0.0
         if settings.critic_model:
@@ -519,17 +587,23 @@ def plan(model: ModelConfig, layout: ParallelLayout, settings: PlanSettings) -> 
 
 
 def training_state_gib(
-    model: ModelConfig, layout: ParallelLayout, stage: int, settings: PlanSettings
+    model: ModelConfig,
+    layout: ParallelLayout,
+    stage: int,
+    settings: PlanSettings,
+    lora: LoRASettings | None = None,
 ) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) in GiB of a rank of pipeline stage `stage`."""
+    """(weights, gradients, optimizer state) in GiB of a rank of pipeline stage `stage`; with
+    `lora`, gradients and optimizer state of its adapters only."""
     b = DTYPE_BYTES[model.params_dtype]
     # Adam: exp_avg + exp_avg_sq, plus a float32 master copy of low-precision weights.
     optim_bytes = 8 + (4 if b < 4 else 0)
     dense_shard = layout.dp * layout.cp if settings.distributed_optimizer else 1
     expert_shard = layout.edp if settings.distributed_optimizer else 1
-    params = stage_params(model, layout, stage)
-    optimizer = optim_bytes * (params.dense / dense_shard + params.expert / expert_shard)
-    return params.total * b / GIB, params.total * 4 / GIB, optimizer / GIB
+    params = stage_params(model, layout, stage, lora)
+    dense, expert = params.trained
+    optimizer = optim_bytes * (dense / dense_shard + expert / expert_shard)
+    return params.total * b / GIB, (dense + expert) * 4 / GIB, optimizer / GIB
 
 
 def _rollout_share(
@@ -592,7 +666,8 @@ def settings_from_config(
         rollout=share,
         moe_imbalance=moe_imbalance,
         overhead_gib=overhead_gib,
-        reference_model=alg.kl_coef > 0 or alg.kl_reward_coef > 0,
+        reference_model=(alg.kl_coef > 0 or alg.kl_reward_coef > 0) and not run_cfg.lora.enabled,
+        lora=run_cfg.lora if run_cfg.lora.enabled else None,
         critic_model=alg.advantage == "gae",
         critic_layout=run_cfg.critic_layout(layout.world_size) if alg.advantage == "gae" else None,
         reward_model=_reward_model_config(run_cfg.reward.model_path, model),

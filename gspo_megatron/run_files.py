@@ -118,6 +118,10 @@ def check_run_directory(run_dir: Path, cfg: RunConfig) -> RunLock | None:
     config_file = run_dir / CONFIG_FILE
     if config_file.is_file():
         saved = json.loads(config_file.read_text())
+        defaults = to_dict(RunConfig())
+        for key, value in mine.items():
+            if key not in saved and value == defaults.get(key):
+                saved[key] = value  # a section added since that run was started, at its default
         differences = [k for k in _diff(saved, mine) if not _resumable(k)]
         if differences and not cfg.trainer.allow_different_config:
             raise ConfigError(

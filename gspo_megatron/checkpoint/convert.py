@@ -371,6 +371,11 @@ def convert_megatron_to_hf(
             raise ConversionError(
                 f"{src}: no {META_FILE}; pass --hf-config with the model's config.json"
             )
+        if is_checkpoint(src) and read_meta(src).get("lora"):
+            raise ConversionError(
+                f"{src} holds LoRA adapters: converting it would write the base weights without "
+                "them; the merged and PEFT exports are not built yet (docs/LORA.md)"
+            )
         if base_config is None and (src / HF_FILES_DIR / "config.json").is_file():
             base_config = json.loads((src / HF_FILES_DIR / "config.json").read_text())
         problems = manifest.verify(src, required=False)

@@ -90,3 +90,25 @@ def architecture_difference(saved: dict[str, Any], model: ModelConfig) -> str | 
                 f"{mine[key]!r}; pick the matching model preset or checkpoint"
             )
     return None
+
+
+def lora_difference(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -> str | None:
+    """How the LoRA adapters a checkpoint holds (its metadata's `lora`: the `lora` section, or
+    None for full weights) differ from an engine's, as a message; None when they match."""
+
+    def describe(lora: dict[str, Any] | None) -> str:
+        if not lora:
+            return "no LoRA adapters (lora.rank=null)"
+        return (
+            f"LoRA adapters of lora.rank={lora['rank']}, lora.alpha={lora['alpha']:g}, "
+            f"lora.targets={sorted(lora['targets'])}"
+        )
+
+    def key(lora: dict[str, Any] | None):
+        if not lora:
+            return None
+        return (lora["rank"], float(lora["alpha"]), sorted(lora["targets"]))
+
+    if key(saved) == key(mine):
+        return None
+    return f"the checkpoint holds {describe(saved)}, the engine has {describe(mine)}"

@@ -40,6 +40,7 @@ from gspo_megatron.checkpoint.meta import (
     CheckpointError,
     architecture_difference,
     is_checkpoint,
+    lora_difference,
     read_meta,
     write_meta,
 )
@@ -171,12 +172,18 @@ def _engine_meta(engine, with_optimizer: bool, extra: dict[str, Any]) -> dict[st
     return {
         "model": engine.model_config.to_dict(),
         "value_head": engine.value_head,
+        "lora": _lora_meta(engine),
         "layout": dataclasses.asdict(engine.layout),
         "world_size": dist.get_world_size(),
         "steps_done": engine.steps_done,
         "with_optimizer": with_optimizer,
         "extra": extra,
     }
+
+
+def _lora_meta(engine) -> dict[str, Any] | None:
+    """The engine's `lora` section (None: no adapters), as the metadata records it."""
+    return dataclasses.asdict(engine.lora) if getattr(engine, "lora", None) else None
 
 
 def _written_by(rank: int, root: Path) -> list[str]:
@@ -376,6 +383,8 @@ def _compatibility_problems(path: Path, meta: dict, engine, with_optimizer: bool
         problems.append(
             f"{path} holds {kinds[saved_value_head]}, loaded into {kinds[engine.value_head]}"
         )
+    if lora := lora_difference(meta.get("lora"), _lora_meta(engine)):
+        problems.append(f"{path}: {lora}")
     if not with_optimizer:
         return problems
     version = meta.get("format_version")
@@ -679,13 +688,21 @@ def load_model_weights(chunks, path: str | Path, model_config: ModelConfig | Non
     meta = read_meta(path) if is_checkpoint(path) else {}
     if meta and model_config is not None:
         check_architecture(path, model_config)
+    sharded_model = model_sharded_state_dict(chunks)
+    has_adapters = any(key.endswith(".lora_a") for part in sharded_model.values() for key in part)
+    if meta.get("lora") and not has_adapters:
+        raise CheckpointError(
+            f"{path} holds LoRA adapters (lora.rank={meta['lora']['rank']}): loading its base "
+            "weights alone would drop them; evaluating, converting or starting from a LoRA "
+            "checkpoint is not built yet (docs/LORA.md)"
+        )
     # Converted and training checkpoints carry a manifest; a plain megatron one may not.
     _raise_if_any(path, _file_problems(path, require_manifest=False))
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: not a torch_dist checkpoint (no .metadata file)")
     _refuse_if_unsafe(path)
     stored = set(read_dcp_metadata(path).state_dict_metadata)
-    sharded, _ = drop_missing_extra_state(model_sharded_state_dict(chunks), stored, path)
+    sharded, _ = drop_missing_extra_state(sharded_model, stored, path)
     loaded = dist_checkpointing.load({"model": sharded}, str(path))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"], strict=False)

@@ -25,7 +25,9 @@ from megatron.core.transformer.transformer_block import (
 from gspo_megatron.device import accelerator, on_accelerator
 from gspo_megatron.megatron.attention import LocalCoreAttention
 from gspo_megatron.megatron.cpu_compat import cuda_available
+from gspo_megatron.megatron.lora import lora_layer_spec
 from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.lora import LoRASettings, resolve_targets
 from gspo_megatron.spec.model_config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -223,16 +225,26 @@ def build_model_chunks(
     config: TransformerConfig | None = None,
     use_te: bool | None = None,
     value_head: bool = False,
+    lora: LoRASettings | None = None,
 ) -> list[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), parallel state initialised.
 
     value_head: a value / reward model, the last stage ending in a `ValueHead` instead of the
     vocabulary projection (never tied to the embedding).
+    lora: LoRA adapters on lora.targets' layers (megatron/lora.py); megatron's local layers only.
     """
     config = config or transformer_config(model, layout)
     if use_te is None:
         use_te = transformer_engine_available()
     spec = layer_spec(model, use_te=use_te)
+    if lora is not None and lora.enabled:
+        if use_te:
+            raise ValueError(
+                "lora.rank is set with transformer-engine layers (engine.use_te, or null on a GPU "
+                "with transformer_engine): LoRA adapts megatron's local layers; set "
+                "engine.use_te=false"
+            )
+        spec = lora_layer_spec(spec, lora, resolve_targets(lora.targets, model.is_moe))
     vpp = layout.vpp
     tp = parallel_state.get_tensor_model_parallel_world_size()
     chunks = []

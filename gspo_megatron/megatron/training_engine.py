@@ -49,11 +49,13 @@ from gspo_megatron.megatron.batch import (
     response_mask,
 )
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
+from gspo_megatron.megatron.lora import freeze_base, init_adapters
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config
 from gspo_megatron.megatron.offload import StateOffloader
 from gspo_megatron.megatron.parallel import LayoutGroups
 from gspo_megatron.megatron.routing import RouteRecorder
 from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.lora import LoRASettings
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.sample import TrainSample, validate_samples
@@ -106,6 +108,8 @@ class TrainingEngine:
     groups: megatron's parallel state for `layout` when it is not the one `parallel.initialize`
     made (a critic on a layout of its own); the engine is built, runs and is checkpointed inside
     it (`own_layout`).
+    lora: LoRA adapters (the `lora` section; megatron/lora.py): the base weights frozen, DDP and
+    the optimizer holding the adapters only; lora_seed draws their A (the run's seed).
     """
 
     def __init__(
@@ -121,14 +125,17 @@ class TrainingEngine:
         trainable: bool = True,
         value_head: bool = False,
         groups: LayoutGroups | None = None,
+        lora: LoRASettings | None = None,
+        lora_seed: int = 0,
     ) -> None:
         if groups is not None and groups.layout != layout:
             raise ValueError(f"groups were made for {groups.layout}, not for {layout}")
         self.parallel_groups = groups
+        self.lora = lora if lora is not None and lora.enabled else None
         with self.own_layout():
             self._build(
                 model_config, layout, engine, optimizer, decay_steps,
-                moe_aux_loss, moe_aux_loss_coef, trainable, value_head,
+                moe_aux_loss, moe_aux_loss_coef, trainable, value_head, lora_seed,
             )  # fmt: skip
 
     def own_layout(self) -> contextlib.AbstractContextManager:
@@ -150,6 +157,7 @@ class TrainingEngine:
         moe_aux_loss_coef: float,
         trainable: bool,
         value_head: bool,
+        lora_seed: int,
     ) -> None:
         self.model_config = model_config
         self.value_head = value_head
@@ -158,6 +166,12 @@ class TrainingEngine:
         self.optim_settings = optimizer or OptimizerSettings()
         raise_on_problems(self.settings, "engine")
         raise_on_problems(self.optim_settings, "optimizer")
+        if self.lora is not None:
+            raise_on_problems(self.lora, "lora")
+            if self.lora.dropout:
+                raise ValueError("lora.dropout > 0 is not built yet (docs/LORA.md)")
+            if value_head:
+                raise ValueError("LoRA on a value model is not built yet (docs/LORA.md)")
         self.decay_steps = decay_steps
         layout.check_model(
             num_layers=model_config.num_hidden_layers,
@@ -188,7 +202,11 @@ class TrainingEngine:
             config=self.config,
             use_te=self.settings.use_te,
             value_head=value_head,
+            lora=self.lora,
         )
+        if self.lora is not None:
+            init_adapters(chunks, lora_seed)
+            freeze_base(chunks)
         if not trainable:
             for chunk in chunks:
                 chunk.requires_grad_(False)
@@ -223,6 +241,7 @@ class TrainingEngine:
             trainable=False,
             value_head=policy.value_head,
             groups=policy.parallel_groups,
+            lora=policy.lora,
         )
         with torch.no_grad():
             for mine, theirs in zip(frozen.model, policy.unwrapped_chunks, strict=True):

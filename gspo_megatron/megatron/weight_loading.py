@@ -34,6 +34,7 @@ from gspo_megatron.checkpoint.reading import (
     read_value_head,
 )
 from gspo_megatron.megatron import checkpointing
+from gspo_megatron.megatron.lora import ADAPTER_PARAMETERS
 from gspo_megatron.megatron.model import ValueHead
 from gspo_megatron.spec.model_config import ModelConfig
 
@@ -71,6 +72,35 @@ class _WithoutHead:
 
     def load_state_dict(self, state, strict: bool = False):
         return self._chunk.load_state_dict(state, strict=False)
+
+
+ADAPTER_SUFFIXES = tuple(f".{name}" for name in ADAPTER_PARAMETERS)
+
+
+class _WithoutAdapters:
+    """A chunk with LoRA adapters as a loader of its base weights sees it: its sharded state
+    dict without the adapters (so nothing is read for them) and a non-strict load_state_dict
+    (so they keep their initialisation: B = 0, the base model exactly)."""
+
+    def __init__(self, chunk) -> None:
+        self._chunk = chunk
+
+    def sharded_state_dict(self) -> dict:
+        state = self._chunk.sharded_state_dict()
+        return {k: v for k, v in state.items() if not k.endswith(ADAPTER_SUFFIXES)}
+
+    def load_state_dict(self, state, strict: bool = False):
+        return self._chunk.load_state_dict(state, strict=False)
+
+
+def base_weights_of(chunks) -> list:
+    """`chunks` as a loader of base weights sees them: those with LoRA adapters without them."""
+    return [
+        _WithoutAdapters(chunk)
+        if any(name.endswith(ADAPTER_SUFFIXES) for name, _ in chunk.named_parameters())
+        else chunk
+        for chunk in chunks
+    ]
 
 
 def _local_sharded_tensors(node) -> Iterator:
@@ -113,7 +143,8 @@ def load_hf_weights(
     value_head: bool = False,
     head: str = "load",
 ) -> None:
-    """Fill this rank's model chunks (any layout) from an HF safetensors directory.
+    """Fill this rank's model chunks (any layout) from an HF safetensors directory (the base
+    weights of chunks with LoRA adapters, which stay as built).
 
     value_head: the chunks are a value / reward model's; head: "load" or "init" (module doc).
     """
@@ -124,7 +155,7 @@ def load_hf_weights(
     ckpt = HFCheckpoint(hf_dir)
     validate_hf_tensors(mapping, ckpt, head=head)
     with torch.no_grad():
-        for entry, _, sh, region in hf_regions(chunks, mapping, ckpt):
+        for entry, _, sh, region in hf_regions(base_weights_of(chunks), mapping, ckpt):
             if head == "init" and entry.key == HEAD_KEY:
                 continue  # the value head stays as built
             sh.data.copy_(region.reshape(sh.data.shape))
@@ -164,6 +195,8 @@ def load_weights(
 
     value_head: the chunks are a value / reward model's; head: "load" (the checkpoint must be
     a value model) or "init" (its transformer only; the head stays as built): see the module doc.
+    Chunks with LoRA adapters get the base weights, their adapters left as built; a checkpoint
+    that holds adapters is refused (megatron/checkpointing.py, load_model_weights).
     """
     path = Path(path)
     if is_hf_dir(path):
@@ -172,6 +205,7 @@ def load_weights(
     if is_megatron_dir(path):
         _check_head_mode(chunks, value_head, head)
         check_megatron_head(path, model_config, value_head, head)
+        chunks = base_weights_of(chunks)  # LoRA adapters stay as built
         if head == "init":
             chunks = [_WithoutHead(chunk) for chunk in chunks]
         return checkpointing.load_model_weights(chunks, path, model_config)

@@ -134,6 +134,9 @@ class RolloutBackend:
     describe: Callable[[Any], str | None] = _no_line
     records_routes: Callable[[Any], bool] = _routes_under_r3
     route_setting: str = "algorithm.routing_replay=r3"
+    # Generates with a LoRA policy's adapters (lora.rank): the embedded engine runs the policy's
+    # own model; a server would need the adapters synced (docs/LORA.md).
+    generates_with_adapters: bool = False
 
 
 def rollout_backend(name: str) -> RolloutBackend:

@@ -128,3 +128,21 @@ def test_gspo_train_ppo_with_a_reward_model_tp2_sp(tmp_path):
     critic = run / "checkpoints" / "step_000003" / "critic" / "gspo_checkpoint.json"
     assert json.loads(critic.read_text())["layout"]["tp"] == 1
     assert not (run / "critic_init_from_policy").exists()
+
+
+@pytest.mark.distributed
+def test_gspo_train_lora_tp2_sp_from_hugging_face_with_kl(tmp_path):
+    """Two ranks with tensor and sequence parallelism training LoRA adapters (docs/LORA.md)
+    over base weights from a Hugging Face directory: the adapters' collectives, the KL
+    reference as the base model with the adapters off, a learned reward model beside them, the
+    state offloaded during rollouts, a checkpoint of adapters and frozen base."""
+    init = hf_policy(tmp_path / "hf")
+    rm = hf_policy(tmp_path / "rm", reward_model=True)
+    run = tmp_path / "run"
+    emulated_train(
+        run, "parallel=tp2", "lora.rank=4", f"model.init_from={init}", "algorithm.kl_coef=0.1",
+        f"reward.model_path={rm}", "reward.model_weight=0.1",
+        "trainer.offload_during_rollout=all", "trainer.steps=2", "eval.every=2", nproc=2,
+    )  # fmt: skip
+    records = read_metrics(run)
+    assert len(records) == 2 and records[-1]["actor/kl_ref"] > 0

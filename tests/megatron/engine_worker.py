@@ -6,6 +6,14 @@ Modes (`--mode`), each printing JSON lines {"check", "value", "ok"} on rank 0:
 - replay:        routing replay R2/R3 and the route-change fraction.
 - resume:        Adam + distributed optimizer: save after step 1, resume, step 2 equals an
                  uninterrupted step 2 (any DP size).
+- lora-resume:   the same with LoRA adapters (two steps before the save, so that A has moved
+                 too): resumed exactly; Adam's state holds the adapters' elements and no more
+                 (summed over the data-parallel shards); the checkpoint refused by an engine
+                 without adapters or with other ones, naming both.
+- lora-init-from: a LoRA engine starting from an HF directory and from a full-weight
+                 checkpoint gets their base weights and its fresh adapters: log-probs bitwise
+                 those of an engine without adapters loading the same; a LoRA checkpoint as
+                 initial weights refused.
 - save-layout:   train one Adam step on the current layout, save, record log-probs.
 - load-layout:   load that checkpoint on the current layout, compare log-probs.
 - nonfinite:     a non-finite gradient is skipped (weights untouched) or raises.
@@ -37,6 +45,7 @@ from gspo_megatron.algorithms import policy_loss
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.training_engine import NonFiniteError, TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.lora import LoRASettings
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
@@ -66,12 +75,15 @@ def engine_for(
     optimizer: OptimizerSettings,
     aux: float = 0.0,
     tokens: int = 64,
+    lora: LoRASettings | None = None,
     **engine_kw,
 ) -> TrainingEngine:
     model = load_preset("tiny_moe")
     settings = EngineSettings(max_sequence_length=40, max_tokens_per_microbatch=tokens, **engine_kw)
     aux_loss = {"moe_aux_loss": "aux_loss", "moe_aux_loss_coef": aux} if aux else {}
-    return TrainingEngine(model, layout, settings, optimizer, decay_steps=10, **aux_loss)
+    return TrainingEngine(
+        model, layout, settings, optimizer, decay_steps=10, lora=lora, lora_seed=3, **aux_loss
+    )
 
 
 def with_old(batch, logprobs, scale=0.05, seed=5):
@@ -257,6 +269,116 @@ def mode_resume(layout: ParallelLayout, workdir: Path) -> None:
         m2["grad_norm"] == r2["grad_norm"],
     )
     check("lr_schedule_moves", m2["lr"], m2["lr"] != m1["lr"])
+
+
+def mode_lora_resume(layout: ParallelLayout, workdir: Path) -> None:
+    from gspo_megatron.megatron.checkpointing import _sub_optimizers
+    from gspo_megatron.megatron.lora import adapted_layers
+
+    lora = LoRASettings(rank=4, alpha=8.0)
+    batch = samples()
+    straight = engine_for(layout, optimizer=ADAM, lora=lora)
+    train = with_old(batch, straight.forward(batch).logprobs)
+    for _ in range(2):
+        straight.train_step(train, LossSettings("gspo"))
+    checkpointing.save_engine(straight, workdir / "lora_step2")
+    m3 = straight.train_step(train, LossSettings("gspo"))
+    resumed = engine_for(layout, optimizer=ADAM, lora=lora)
+    meta = checkpointing.load_engine(resumed, workdir / "lora_step2")
+    check("lora_resume_steps_done", meta["steps_done"], meta["steps_done"] == 2)
+    r3 = resumed.train_step(train, LossSettings("gspo"))
+    diff = torch.tensor([max(
+        float((a - b).abs().max())
+        for a, b in zip(
+            straight.unwrapped_chunks[0].state_dict().values(),
+            resumed.unwrapped_chunks[0].state_dict().values(),
+            strict=True,
+        )
+        if torch.is_tensor(a)
+    )])  # fmt: skip
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    check("lora_resume_weights_identical", float(diff), float(diff) == 0.0)
+    same = (m3["loss"], m3["grad_norm"]) == (r3["loss"], r3["grad_norm"])
+    check("lora_resume_loss_and_grad_norm_identical", abs(m3["loss"] - r3["loss"]), same)
+    moved = max(
+        float(layer.lora_b.abs().max()) for _, layer in adapted_layers(resumed.unwrapped_chunks)
+    )
+    check("lora_b_trained_from_zero", moved, moved > 0)
+    state = sum(
+        s["exp_avg"].numel()
+        for sub in _sub_optimizers(resumed.optimizer)
+        for s in sub.optimizer.state.values()
+    )
+    state_t = torch.tensor([float(state)])
+    dist.all_reduce(state_t)
+    adapters = sum(
+        p.numel()
+        for _, layer in adapted_layers(resumed.unwrapped_chunks)
+        for p in (layer.lora_a, layer.lora_b)
+    )
+    total = sum(p.numel() for p in resumed.unwrapped_chunks[0].parameters())
+    check("lora_adam_state_elements_minus_adapters", float(state_t) - adapters,
+          float(state_t) == adapters and adapters < total / 5)  # fmt: skip
+    full = engine_for(layout, optimizer=ADAM)
+    expect_error(
+        "lora_checkpoint_into_full_engine",
+        lambda: checkpointing.load_engine(full, workdir / "lora_step2"),
+        "the checkpoint holds LoRA adapters of lora.rank=4",
+    )
+    other = engine_for(layout, optimizer=ADAM, lora=LoRASettings(rank=2, alpha=8.0))
+    expect_error(
+        "lora_checkpoint_into_other_rank",
+        lambda: checkpointing.load_engine(other, workdir / "lora_step2"),
+        "the engine has LoRA adapters of lora.rank=2",
+    )
+    expect_error(
+        "lora_checkpoint_weights_without_adapters",
+        lambda: checkpointing.load_model_weights(full.unwrapped_chunks, workdir / "lora_step2"),
+        "holds LoRA adapters (lora.rank=4): loading its base weights alone would drop them",
+    )
+    from gspo_megatron.checkpoint.convert import convert_megatron_to_hf
+
+    expect_error(
+        "lora_checkpoint_conversion",
+        lambda: convert_megatron_to_hf(workdir / "lora_step2", workdir / "lora_hf"),
+        "holds LoRA adapters: converting it would write the base weights without them",
+    )
+    for engine in (straight, resumed, full, other):
+        engine.close()
+
+
+def mode_lora_init_from(layout: ParallelLayout, workdir: Path) -> None:
+    from launch import hf_policy
+
+    from gspo_megatron.megatron.weight_loading import load_engine_weights
+
+    lora = LoRASettings(rank=4, alpha=8.0)
+    batch = samples()
+    hf = hf_policy(workdir / "hf") if dist.get_rank() == 0 else workdir / "hf"
+    dist.barrier()
+    full = engine_for(layout, optimizer=ADAM)
+    load_engine_weights(full, hf)
+    expected = full.forward(batch).logprobs
+    checkpointing.save_engine(full, workdir / "full_weights", with_optimizer=False)
+    engines = [full]
+    for name, source in (("hf", hf), ("checkpoint", workdir / "full_weights")):
+        adapted = engine_for(layout, optimizer=ADAM, lora=lora)
+        engines.append(adapted)
+        load_engine_weights(adapted, source)
+        got = adapted.forward(batch).logprobs
+        pairs = zip(got, expected, strict=True)
+        same = all((torch.as_tensor(a) == torch.as_tensor(b)).all() for a, b in pairs)
+        check(f"lora_init_from_{name}_bitwise_base", float(not same), same)
+    adapted.train_step(with_old(batch, got), LossSettings("gspo"))
+    checkpointing.save_engine(adapted, workdir / "lora_weights", with_optimizer=False)
+    again = engine_for(layout, optimizer=ADAM, lora=lora)
+    expect_error(
+        "lora_checkpoint_as_initial_weights",
+        lambda: load_engine_weights(again, workdir / "lora_weights"),
+        "holds LoRA adapters (lora.rank=4): loading its base weights alone would drop them",
+    )
+    for engine in (*engines, again):
+        engine.close()
 
 
 def engine_state(engine) -> list[torch.Tensor]:
@@ -452,6 +574,8 @@ def main() -> int:
         "gradient": lambda: mode_gradient(layout),
         "replay": lambda: mode_replay(layout),
         "resume": lambda: mode_resume(layout, args.workdir),
+        "lora-resume": lambda: mode_lora_resume(layout, args.workdir),
+        "lora-init-from": lambda: mode_lora_init_from(layout, args.workdir),
         "save-layout": lambda: mode_save_layout(layout, args.workdir),
         "load-layout": lambda: mode_load_layout(layout, args.workdir),
         "nonfinite": lambda: mode_nonfinite(layout),

@@ -8,6 +8,12 @@ weights of both against the reference, and packed against padded on this layout.
 no clipping, no momentum, hence no optimizer state) the weight update *is* the gradient, so a
 normalisation error shows up directly (Adam's first step would hide a scale error).
 
+`--lora-rank R`: the same with LoRA adapters of rank R on every target (megatron/lora.py): the
+reference's adapters start with a nonzero B (so that A trains too), saved and loaded through the
+checkpoint like the weights; each layout also checks that its base model (adapters off) gives the
+reference's base log-probs, that B = 0 gives exactly the base model's log-probs, and that
+megatron's gradient buffers and optimizer hold the adapters and nothing else.
+
 Prints one JSON line per check on rank 0: {"layout", "check", "value", "tol", "ok"}; checks
 are named `padded/...`, `packed/...` and `packed_vs_padded/...`. Several `--layout`s run one
 after another in the same processes (process start-up is most of a small layout's time).
@@ -32,8 +38,10 @@ cpu_compat.apply()  # before megatron-core is imported
 from layout_text import parse_layout
 
 from gspo_megatron.megatron import checkpointing, parallel
+from gspo_megatron.megatron.lora import adapted_layers, adapters_off
 from gspo_megatron.megatron.training_engine import TrainingEngine
 from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.lora import LoRASettings
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import load_preset
 from gspo_megatron.spec.sample import TrainSample
@@ -67,7 +75,11 @@ def make_samples(seed: int = 7, count: int = 8) -> list[TrainSample]:
 
 
 def build_engine(
-    layout: ParallelLayout, num_layers: int, microbatch_tokens: int, packed: bool = False
+    layout: ParallelLayout,
+    num_layers: int,
+    microbatch_tokens: int,
+    packed: bool = False,
+    lora: LoRASettings | None = None,
 ) -> TrainingEngine:
     return TrainingEngine(
         model_config(num_layers),
@@ -80,6 +92,8 @@ def build_engine(
         OptimizerSettings(
             name="sgd", lr=1.0, clip_grad=0.0, weight_decay=0.0, distributed_optimizer=False
         ),
+        lora=lora,
+        lora_seed=5,
     )
 
 
@@ -93,14 +107,21 @@ def with_old_logprobs(samples, logprobs, seed: int = 11) -> list[TrainSample]:
     return out
 
 
-def make_reference(out: Path, num_layers: int) -> None:
+def make_reference(out: Path, num_layers: int, lora: LoRASettings | None) -> None:
     layout = ParallelLayout(world_size=1)
     parallel.initialize(layout, seed=1234)
-    engine = build_engine(layout, num_layers, microbatch_tokens=10_000)
-    checkpointing.save_engine(engine, out / "init", with_optimizer=False)
+    engine = build_engine(layout, num_layers, microbatch_tokens=10_000, lora=lora)
     samples = make_samples()
+    reference = {"loss": {}}
+    if lora is not None:
+        reference["base_logprobs"] = [torch.as_tensor(x) for x in engine.forward(samples).logprobs]
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for _, layer in adapted_layers(engine.unwrapped_chunks):
+                layer.lora_b.copy_(0.05 * torch.randn(layer.lora_b.shape, generator=gen))
+    checkpointing.save_engine(engine, out / "init", with_optimizer=False)
     result = engine.forward(samples, with_entropy=True)
-    reference = {"logprobs": [torch.as_tensor(x) for x in result.logprobs], "loss": {}}
+    reference["logprobs"] = [torch.as_tensor(x) for x in result.logprobs]
     train = with_old_logprobs(samples, result.logprobs)
     for name, loss in LOSSES.items():
         checkpointing.load_engine(engine, out / "init", with_optimizer=False)
@@ -140,6 +161,20 @@ def weight_differences(engine, expected, initial) -> torch.Tensor:
             worst = torch.maximum(worst, torch.stack([diff / scale, beyond_rounding / update]))
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return worst
+
+
+def update_sizes(engine, initial) -> torch.Tensor:
+    """Largest change of the adapters' A, B and of any base weight since `initial` (max over
+    ranks)."""
+    sizes = torch.zeros(3)
+    for chunk, init_sd in zip(engine.unwrapped_chunks, initial, strict=True):
+        for key, value in chunk.state_dict().items():
+            if not torch.is_tensor(value) or "_extra_state" in key:
+                continue
+            part = {"lora_a": 0, "lora_b": 1}.get(key.rsplit(".", 1)[-1], 2)
+            sizes[part] = max(sizes[part], float((value - init_sd[key]).abs().max()))
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    return sizes
 
 
 def max_abs_diff(first, second) -> float:
@@ -183,18 +218,54 @@ def check_routing_replay(engine, initial, samples, results: list) -> None:
         results.append((f"{mode}/replayed_logprobs_max_abs_diff", lp_err, 1e-6))
 
 
+def check_adapters(engine, initial, samples, reference, results: list) -> None:
+    """LoRA on this layout: the base model (adapters off) gives the reference's base
+    log-probs; B = 0 gives exactly the base model's log-probs; megatron's gradient buffers and
+    optimizer hold the adapters' parameters and nothing else."""
+    chunks = engine.unwrapped_chunks
+    restore(engine, initial)
+    with adapters_off(chunks):
+        base = engine.forward(samples).logprobs
+    lp_err = max_abs_diff(base, reference["base_logprobs"])
+    results.append(("lora/base_logprobs_max_abs_diff", lp_err, 1e-5))
+    with torch.no_grad():
+        for _, layer in adapted_layers(chunks):
+            layer.lora_b.zero_()
+    fresh = engine.forward(samples).logprobs
+    results.append(("lora/fresh_adapter_vs_base_max_abs_diff", max_abs_diff(fresh, base), 0.0))
+    restore(engine, initial)
+    adapters = {id(p) for _, layer in adapted_layers(chunks) for p in (layer.lora_a, layer.lora_b)}
+    optimized = [p for group in engine.optimizer.param_groups for p in group["params"]]
+    buffered = [p for m in engine.model for b in m.buffers + m.expert_parallel_buffers
+                for p in b.params]  # fmt: skip
+    for what, params in (("optimizer", optimized), ("grad_buffers", buffered)):
+        outside = sum(id(p) not in adapters for p in params)
+        missing = len(adapters - {id(p) for p in params})
+        results.append((f"lora/{what}_params_not_adapters", float(outside), 0))
+        results.append((f"lora/{what}_adapters_missing", float(missing), 0))
+    trainable = sum(p.requires_grad for c in chunks for p in c.parameters())
+    results.append(("lora/trainable_params_beyond_adapters", float(trainable - len(adapters)), 0))
+
+
 def check_layout(
-    ref_dir: Path, layout: ParallelLayout, num_layers: int, tokens: int, losses: list[str]
+    ref_dir: Path,
+    layout: ParallelLayout,
+    num_layers: int,
+    tokens: int,
+    losses: list[str],
+    lora: LoRASettings | None = None,
 ) -> list[tuple[str, float, float | None]]:
     """(check, value, tolerance or None) of every check (rank 0's are reported)."""
     parallel.initialize(layout, seed=1234)
-    engine = build_engine(layout, num_layers, microbatch_tokens=tokens)
+    engine = build_engine(layout, num_layers, microbatch_tokens=tokens, lora=lora)
     reference = torch.load(ref_dir / "reference.pt", weights_only=False)
     checkpointing.load_engine(engine, ref_dir / "init", with_optimizer=False)
     initial = trained_weights(engine)
     samples = make_samples()
     train = with_old_logprobs(samples, [x.numpy() for x in reference["logprobs"]])
     results = []
+    if lora is not None:
+        check_adapters(engine, initial, samples, reference, results)
     outcome: dict[str, dict] = {}
     expected: dict[str, list] = {}  # the reference's weights after each loss's step
     for mode in ("padded", "packed"):
@@ -214,6 +285,11 @@ def check_layout(
                     engine.unwrapped_chunks, ref_dir / f"after_{name}"
                 )
             worst = weight_differences(engine, expected[name], initial)
+            if lora is not None:
+                moved = update_sizes(engine, initial)
+                for part, size in zip(("lora_a", "lora_b", "base"), moved.tolist(), strict=True):
+                    tol = 0.0 if part == "base" else None  # the base is frozen: exactly
+                    results.append((f"{mode}/{name}_{part}_max_update", size, tol))
             results.append((f"{mode}/{name}_params_rel_diff", float(worst[0]), 1e-5))
             results.append((f"{mode}/{name}_update_rel_diff", float(worst[1]), 1e-5))
             count = torch.tensor([metrics["num_microbatches"]])
@@ -247,14 +323,21 @@ def main() -> int:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--microbatch-tokens", type=int, default=48)
     parser.add_argument("--losses", default=",".join(LOSSES))
+    parser.add_argument("--lora-rank", type=int, help="LoRA adapters of this rank")
     args = parser.parse_args()
+    lora = LoRASettings(rank=args.lora_rank, alpha=8.0) if args.lora_rank else None
     if args.make_reference:
-        make_reference(args.make_reference, args.num_layers)
+        make_reference(args.make_reference, args.num_layers, lora)
         return 0
     for text in args.layout or [""]:
         layout = parse_layout(text, parallel.world_size_from_env())
         results = check_layout(
-            args.ref_dir, layout, args.num_layers, args.microbatch_tokens, args.losses.split(",")
+            args.ref_dir,
+            layout,
+            args.num_layers,
+            args.microbatch_tokens,
+            args.losses.split(","),
+            lora,
         )
         if dist.get_rank() == 0:
             for check, value, tol in results:

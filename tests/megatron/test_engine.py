@@ -11,6 +11,16 @@ from launch import finish_worker, run_worker, start_worker
 WORKER = Path(__file__).resolve().parent / "engine_worker.py"
 
 
+LORA_RESUME_CHECKS = {
+    "lora_resume_weights_identical",
+    "lora_resume_loss_and_grad_norm_identical",
+    "lora_b_trained_from_zero",
+    "lora_adam_state_elements_minus_adapters",
+    "error_lora_checkpoint_into_full_engine",
+    "error_lora_checkpoint_into_other_rank",
+    "error_lora_checkpoint_weights_without_adapters",
+    "error_lora_checkpoint_conversion",
+}
 OFFLOAD_CHECKS = {
     "offload_optimizer_state_bitwise_identical",
     "offload_all_state_bitwise_identical",
@@ -33,14 +43,14 @@ def assert_all_ok(results: list[dict], expected: set[str]) -> None:
 
 def test_single_process_checks(tmp_path):
     """One launch: in-schedule loss gradient == autograd through policy_loss (gspo, grpo,
-    gspo_token, ppo with an entropy bonus); routing replay; Adam resume; non-finite handling;
-    bad input; offloading the state between steps (bitwise identical, storages freed, saved
-    while offloaded)."""
+    gspo_token, ppo with an entropy bonus); routing replay; Adam resume, LoRA's too; LoRA over
+    base weights from HF and from a checkpoint; non-finite handling; bad input; offloading the
+    state between steps (bitwise identical, storages freed, saved while offloaded)."""
     results = run_worker(
         WORKER,
         [
             "--mode",
-            "gradient,replay,resume,nonfinite,bad-input,offload",
+            "gradient,replay,resume,lora-resume,lora-init-from,nonfinite,bad-input,offload",
             "--workdir",
             str(tmp_path),
         ],
@@ -62,16 +72,30 @@ def test_single_process_checks(tmp_path):
             "error_too_long",
             "error_empty_response",
             "error_other_architecture",
+            *LORA_RESUME_CHECKS,
+            "lora_init_from_hf_bitwise_base",
+            "lora_init_from_checkpoint_bitwise_base",
+            "error_lora_checkpoint_as_initial_weights",
             *OFFLOAD_CHECKS,
         },
     )
 
 
 @pytest.mark.distributed
-def test_resume_and_offload_with_distributed_optimizer_over_two_ranks(tmp_path):
-    results = run_worker(WORKER, ["--mode", "resume,offload", "--workdir", str(tmp_path)], nproc=2)
+def test_resume_lora_resume_and_offload_with_distributed_optimizer_over_two_ranks(tmp_path):
+    """Exact resume (LoRA too: adapters and their Adam state through the checkpoint, sharded
+    over two data-parallel ranks) and offloading, with the distributed optimizer."""
+    results = run_worker(
+        WORKER, ["--mode", "resume,lora-resume,offload", "--workdir", str(tmp_path)], nproc=2
+    )
     assert_all_ok(
-        results, {"resume_params_identical", "resume_grad_norm_identical", *OFFLOAD_CHECKS}
+        results,
+        {
+            "resume_params_identical",
+            "resume_grad_norm_identical",
+            *LORA_RESUME_CHECKS,
+            *OFFLOAD_CHECKS,
+        },
     )
 
 

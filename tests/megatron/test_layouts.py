@@ -17,21 +17,11 @@ from pathlib import Path
 
 import pytest
 from launch import layouts_by_launch
+from layout_text import VERIFIED_LAYOUTS
 
 WORKERS = Path(__file__).resolve().parent
 
-LAYOUTS = [
-    ("", 1, "single"),
-    ("tp=2,sp=1", 2, "tp2-sp"),
-    ("pp=2", 2, "pp2"),
-    ("pp=2,vpp=2", 2, "pp2-vpp2"),
-    ("ep=2", 2, "ep2"),
-    ("cp=2", 2, "cp2"),
-    ("", 2, "dp2"),
-    ("tp=2,sp=1,pp=2,ep=2", 4, "tp2-pp2-ep2"),
-    ("tp=2,sp=1,cp=2", 4, "tp2-cp2"),
-    ("tp=2,sp=1,ep=2,etp=2", 4, "tp2-ep2-etp2"),
-]
+LAYOUTS = VERIFIED_LAYOUTS
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from gspo_megatron.memory_plan import (
 )
 from gspo_megatron.rollout.backends import RolloutShare
 from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.lora import LoRASettings
 from gspo_megatron.spec.model_config import PRESET_DIR, load_preset
 
 WORKER = Path(__file__).resolve().parent / "count_worker.py"
@@ -49,15 +50,59 @@ def _ranks(world: int, layout: dict) -> list[int]:
     return sorted({r for s in range(pp) for r in (s * per_stage, (s + 1) * per_stage - 1)})
 
 
+# LoRA adapters (rank 8, every target) on an MoE and a dense model, sharded every way they can be.
+LORA_LAYOUTS = [
+    ("tiny_moe", 1, {}),
+    ("tiny_moe", 8, dict(tp=2, pp=2, ep=2, etp=2, sequence_parallel=True)),
+    ("tiny_dense", 4, dict(tp=2, pp=2)),
+    ("qwen3_30b_a3b", 16, dict(tp=2, pp=2, ep=8, sequence_parallel=True)),
+]
+
+
 @pytest.fixture(scope="module")
 def megatron_counts() -> list[dict]:
     cases = [
         {"preset": p, "world": w, "layout": lay, "ranks": _ranks(w, lay)} for p, w, lay in LAYOUTS
+    ] + [
+        {"preset": p, "world": w, "layout": lay, "ranks": _ranks(w, lay), "lora_rank": 8}
+        for p, w, lay in LORA_LAYOUTS
     ]
     return run_worker(WORKER, [json.dumps(cases)], timeout=600)
 
 
+def test_lora_adapter_counts_equal_megatrons(megatron_counts):
+    rows = [r for r in megatron_counts if r["lora_rank"]]
+    assert len(rows) == sum(len(_ranks(w, lay)) for _, w, lay in LORA_LAYOUTS)
+    for row in rows:
+        model = load_preset(row["preset"])
+        layout = ParallelLayout(world_size=row["world"], **row["layout"])
+        mine = stage_params(model, layout, row["pp_rank"], LoRASettings(rank=8))
+        where = f"{row['preset']} {layout.describe()} rank {row['rank']}"
+        assert (mine.dense, mine.expert) == (row["dense"], row["expert"]), where
+        assert (mine.adapter_dense, mine.adapter_expert) == (
+            row["adapter_dense"],
+            row["adapter_expert"],
+        ), where
+        assert row["adapter_dense"] > 0 and (row["adapter_expert"] > 0) == model.is_moe, where
+
+
+def test_lora_trains_and_keeps_state_for_the_adapters_only():
+    """Gradients and optimizer state of the adapters, weights of both; no reference copy (the
+    KL reference is the base model with the adapters off)."""
+    common = dict(micro_batch_tokens=4096, tp=2, sequence_parallel=True, ep=8)
+    full = _plan("qwen3_30b_a3b", 64, **common).stages[0]
+    lora = _plan("qwen3_30b_a3b", 64, lora=LoRASettings(rank=16), **common).stages[0]
+    dense, expert = lora.params.adapter_dense, lora.params.adapter_expert
+    layout = ParallelLayout(world_size=64, tp=2, sequence_parallel=True, ep=8)
+    assert lora.grads * 2**30 == pytest.approx(4 * (dense + expert))
+    expected = 12 * (dense / (layout.dp * layout.cp) + expert / layout.edp)
+    assert lora.optimizer * 2**30 == pytest.approx(expected)
+    assert lora.weights > full.weights and lora.grads < full.grads / 20
+    assert lora.optimizer < full.optimizer / 20
+
+
 def test_parameter_counts_equal_megatrons_for_every_preset(megatron_counts):
+    megatron_counts = [r for r in megatron_counts if not r["lora_rank"]]
     assert {r["preset"] for r in megatron_counts} == set(PRESETS)
     assert len(megatron_counts) == sum(len(_ranks(w, lay)) for _, w, lay in LAYOUTS)
     for row in megatron_counts:

@@ -72,6 +72,57 @@ def test_refused(overrides, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["lora.rank=0"], "lora.rank must be >= 1, got 0"),
+        (["lora.rank=-2"], "lora.rank must be >= 1, got -2"),
+        (["lora.alpha=16"], "lora.alpha is set but LoRA is off (lora.rank=null)"),
+        (["lora.rank=8", "lora.targets=[mlp.linear_fc1]"],
+         "lora.targets entry 'mlp.linear_fc1' matches nothing in the model (a Mixture-of-Experts "
+         "model has experts, no dense MLP)"),
+        (["model=tiny_dense", "lora.rank=8", "lora.targets=[experts.linear_fc2]"],
+         "lora.targets entry 'experts.linear_fc2' matches nothing in the model (a dense model "
+         "has a dense MLP, no experts)"),
+        (["lora.rank=8", "lora.targets=[router]"],
+         "lora.targets entry 'router': the router is never adapted"),
+        (["lora.rank=8", "lora.targets=[q_proj]"],
+         "lora.targets entry 'q_proj' is not a layer LoRA adapts"),
+        (["lora.rank=8", "lora.targets=[]"], "lora.targets is empty"),
+        (["lora.rank=8", "lora.dropout=0.1"],
+         "lora.rank=8 with lora.dropout=0.1: adapter dropout is not built yet"),
+        (["lora.rank=8", "engine.use_te=true"], "lora.rank=8 with engine.use_te=true"),
+        (["lora.rank=8", "rollout=sglang"],
+         "lora.rank=8 with rollout.engine=sglang: weight sync of adapters"),
+        (["lora.rank=8", "rollout.mode=async"], "lora.rank=8 with rollout.mode=async"),
+        (["lora.rank=8", "algorithm=ppo"], "lora.rank=8 with algorithm.advantage=gae"),
+        (["lora.rank=8", "trainer.export_hf_every=5"],
+         "lora.rank=8 with trainer.export_hf_every=5: the Hugging Face export of a LoRA policy"),
+    ],
+    ids=["rank-0", "rank-negative", "alpha-without-rank", "dense-target-on-moe",
+         "expert-target-on-dense", "router", "unknown-target", "no-targets", "dropout", "te",
+         "sglang", "async", "ppo-critic", "hf-export"],
+)  # fmt: skip
+def test_lora_refused(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(overrides), 1, check_inputs=False)  # Hydra's: lists too
+    assert message in str(err.value)
+
+
+def test_lora_resolves_on_moe_and_dense_models():
+    from gspo_megatron.spec.lora import resolve_targets
+
+    cfg, model, _ = resolved("lora.rank=8")
+    assert (cfg.lora.rank, cfg.lora.scaling) == (8, 4.0)
+    assert resolve_targets(cfg.lora.targets, model.is_moe) == {
+        "attention.linear_qkv", "attention.linear_proj", "experts.linear_fc1",
+        "experts.linear_fc2",
+    }  # fmt: skip
+    raw = compose(["model=tiny_dense", "lora.rank=2", "lora.targets=[mlp.linear_fc2]"])
+    cfg, model, _ = resolve(raw, 1)
+    assert resolve_targets(cfg.lora.targets, model.is_moe) == {"mlp.linear_fc2"}
+
+
 def test_the_code_experiment_resolves():
     cfg, _, _ = resolve(compose(["+experiment=code_cpu"]), 1)
     assert (cfg.data.task, cfg.reward.name, cfg.model.tokenizer) == ("expr", "code", "char_expr")
@@ -137,7 +188,9 @@ def _exists(raw: dict, key: str) -> bool:
     return True
 
 
-SECTIONS = "model|parallel|algorithm|rollout|data|reward|trainer|optimizer|engine|logging|stability"
+SECTIONS = (
+    "model|parallel|algorithm|rollout|data|reward|trainer|optimizer|engine|lora|logging|stability"
+)
 KEY = rf"\b(?:{SECTIONS})\.[a-z_0-9]+\b"
 
 
@@ -181,8 +234,9 @@ def test_every_key_in_a_config_message_exists():
     raw = compose(["algorithm.mismatch=tis"])  # any valid config: the keys are the same
     package = Path(gspo_megatron.__file__).parent
     sources = ["config.py", "data/config.py", "rewards/registry.py", "envs/registry.py",
-               "spec/training.py", "rollout/backends.py", "rollout/sglang/backend.py",
-               "rollout/sglang/config.py", "rollout/embedded/backend.py",
+               "spec/training.py", "spec/lora.py", "rollout/backends.py",
+               "rollout/sglang/backend.py", "rollout/sglang/config.py",
+               "rollout/embedded/backend.py",
                "memory_plan.py", "run_health.py", "components.py", "evaluation/config.py",
                "stability/rollback.py", "stability/sentinel.py", "stability/budget.py",
                "stability/monitor.py", "algorithms/losses.py",

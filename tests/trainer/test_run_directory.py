@@ -3,10 +3,12 @@ servers are) and the output schedule may change, the experiment may not."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gspo_megatron.config import ConfigError, compose, resolve
-from gspo_megatron.run_files import check_run_directory
+from gspo_megatron.run_files import CONFIG_FILE, check_run_directory
 
 SGLANG = ["rollout=sglang", "+rollout.sglang.urls=[http://node7:30000]"]
 
@@ -32,6 +34,19 @@ def test_another_experiment_is_refused_naming_the_keys(tmp_path):
     check_run_directory(tmp_path, run_config())
     with pytest.raises(ConfigError, match=r"different config \(.*algorithm\.loss\)"):
         check_run_directory(tmp_path, run_config("algorithm=grpo"))
+
+
+def test_a_run_from_before_a_section_existed_resumes_at_its_defaults(tmp_path):
+    """A run directory started before a section was added (its run_config.json lacks `lora`)
+    resumes when the section is at its defaults, and is refused when it is not."""
+    check_run_directory(tmp_path, resolve(compose([]), 1)[0])
+    saved = json.loads((tmp_path / CONFIG_FILE).read_text())
+    del saved["lora"]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(saved))
+    check_run_directory(tmp_path, resolve(compose([]), 1)[0])
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=r"different config \(lora\)"):
+        check_run_directory(tmp_path, resolve(compose(["lora.rank=8"]), 1)[0])
 
 
 def test_the_sentinel_may_be_switched_on_a_resume_the_budget_not(tmp_path):

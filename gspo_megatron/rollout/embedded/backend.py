@@ -100,4 +100,5 @@ EMBEDDED = RolloutBackend(
     keeps_policy_weights=True,
     records_routes=records_routes,
     route_setting="logging.moe_route_metrics=true",
+    generates_with_adapters=True,
 )

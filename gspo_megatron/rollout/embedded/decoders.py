@@ -135,6 +135,10 @@ def torch_decoder_math_unsupported(model, config) -> str | None:
 
 def _module_unsupported(model) -> str | None:
     """Module types whose parameters `megatron_decoder_weights` cannot read, or None."""
+    if any(name.endswith(".lora_a") for name, _ in model.named_parameters()):
+        # A fresh adapter adds nothing, so `check_against` would pass and the adapters, once
+        # trained, would be left out of every rollout.
+        return "LoRA adapters (its math reads the base weights only)"
     if not isinstance(getattr(model.decoder, "final_layernorm", None), torch.nn.RMSNorm):
         return "final norm (a torch RMSNorm expected)"
     for layer in model.decoder.layers:
