@@ -821,11 +821,7 @@ def _check_critic(cfg: RunConfig) -> None:
             for name in ("gamma", "lam", "kl_reward_coef")
             if getattr(alg, name) != getattr(defaults, name)
         ]
-        unused += [
-            f"critic.{f.name}"
-            for f in dataclasses.fields(CriticSection)
-            if getattr(critic, f.name) != getattr(CriticSection(), f.name)
-        ]
+        unused += _changed_keys(critic, "critic")
         if unused:
             raise ConfigError(
                 f"{unused[0]} is set but only PPO's advantage estimation reads it: set "
@@ -850,15 +846,21 @@ def _check_critic(cfg: RunConfig) -> None:
         )
 
 
+def _changed_keys(section: Any, prefix: str) -> list[str]:
+    """The key paths of a section's fields set away from their defaults."""
+    default = type(section)()
+    return [
+        f"{prefix}.{f.name}"
+        for f in dataclasses.fields(section)
+        if getattr(section, f.name) != getattr(default, f.name)
+    ]
+
+
 def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
     """LoRA's keys, and what LoRA does not do yet refused by name (docs/LORA.md)."""
     lora = cfg.lora
     if not lora.enabled:
-        unused = [
-            f"lora.{f.name}"
-            for f in dataclasses.fields(LoRASettings)
-            if getattr(lora, f.name) != getattr(LoRASettings(), f.name)
-        ]
+        unused = _changed_keys(lora, "lora")
         if unused:
             raise ConfigError(
                 f"{unused[0]} is set but LoRA is off (lora.rank=null): set lora.rank to train "
