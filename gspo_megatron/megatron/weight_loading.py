@@ -155,18 +155,23 @@ def load_hf_weights(
     ckpt = HFCheckpoint(hf_dir)
     validate_hf_tensors(mapping, ckpt, head=head)
     with torch.no_grad():
-        for entry, _, sh, region in hf_regions(base_weights_of(chunks), mapping, ckpt):
-            if head == "init" and entry.key == HEAD_KEY:
-                continue  # the value head stays as built
+        # head="init": the value head stays as built (the HF directory may be a policy's).
+        skip = (HEAD_KEY,) if head == "init" else ()
+        for _, _, sh, region in hf_regions(base_weights_of(chunks), mapping, ckpt, skip=skip):
             sh.data.copy_(region.reshape(sh.data.shape))
 
 
-def hf_regions(chunks, mapping: ModelMapping, ckpt: HFCheckpoint, *, main_replica_only=False):
+def hf_regions(
+    chunks, mapping: ModelMapping, ckpt: HFCheckpoint, *, main_replica_only=False, skip=()
+):
     """(entry, region offsets, ShardedTensor, the region's values read from `ckpt` in the
     megatron unit's layout) for every weight piece this rank holds (`sharded_pieces`): what
-    loading an HF directory writes into each piece, and what an HF export is checked against."""
+    loading an HF directory writes into each piece, and what an HF export is checked against.
+    Pieces of the megatron keys in `skip` are left out, unread (`ckpt` may not hold them)."""
     cached: tuple[Any, torch.Tensor] | None = None
     for entry, offsets, sh in sharded_pieces(chunks, mapping, main_replica_only=main_replica_only):
+        if entry.key in skip:
+            continue
         shape = tuple(sh.local_shape)
         if entry.kind in ("copy", "vocab"):  # read only this piece's rows
             region = read_unit_rows(ckpt, entry, offsets[0], offsets[0] + shape[0])
