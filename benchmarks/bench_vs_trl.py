@@ -372,11 +372,11 @@ def _engine_losses(hf_dir, prompts, completions, old_lp, advantages, info) -> di
 
     from gspo_megatron.algorithms import policy_loss
     from gspo_megatron.megatron import cpu_compat
-    from gspo_megatron.megatron.weight_loading import load_engine_hf_weights
 
     cpu_compat.apply()  # before megatron-core is imported
     from gspo_megatron.megatron import parallel
     from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.megatron.weight_loading import load_engine_hf_weights
     from gspo_megatron.spec.layout import ParallelLayout
     from gspo_megatron.spec.loss import LossSettings
     from gspo_megatron.spec.model_config import ModelConfig
