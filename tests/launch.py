@@ -6,6 +6,7 @@ runs it in a worker process and reads back the JSON lines the worker prints.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,12 @@ import pytest
 from gspo_megatron.network import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The tests that run SGLang's own request classes (tests/rollout/sglang_test_server.py)
+needs_sglang = pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is None or importlib.util.find_spec("zmq") is None,
+    reason="needs `pip install --no-deps sglang==0.5.23` and pyzmq (the test extra)",
+)
 
 
 def python_command(args: list[str], nproc: int = 1) -> list[str]:
@@ -97,6 +104,18 @@ def layouts_by_launch(worker: Path, layouts, base_args: list[str]):
         return done[layout, nproc]
 
     return checks
+
+
+# The smallest gspo-train run the fault tests start: 2 prompts x 4 responses of at most 4 tokens,
+# no evaluation, no progress bar, no TensorBoard (add trainer.steps and the rest per test).
+TINY_RUN = (
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=4",
+    "eval.every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+)
 
 
 def gspo_train_command(run_dir: Path, overrides: list[str], nproc: int = 1) -> list[str]:

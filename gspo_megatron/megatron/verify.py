@@ -115,55 +115,40 @@ def engine_logprobs(
     return out
 
 
-def compare_logprobs(
-    hf_dir: str | Path,
-    megatron_dir: str | Path,
-    cfg: ModelConfig,
-    *,
-    round_to: torch.dtype | None = None,
-    count: int = 2,
-    length: int = 32,
-    seed: int = 0,
-) -> float:
-    """max |log-prob difference| between the two sides on random token sequences."""
-    tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
-    hf = transformers_logprobs(hf_dir, tokens, round_to)
-    mc = megatron_logprobs(megatron_dir, cfg, tokens, round_to)
-    return float((hf - mc).abs().max())
-
-
 @torch.no_grad()
-def compare_values(
-    hf_dir: str | Path,
-    megatron_dir: str | Path,
-    cfg: ModelConfig,
-    *,
-    round_to: torch.dtype | None = None,
-    count: int = 2,
-    length: int = 32,
-    seed: int = 0,
-) -> float:
-    """max |value difference| of a value model, at every position of random token sequences,
-    between transformers' `AutoModelForSequenceClassification` (its head applied to every
-    hidden state) and a one-process megatron model; both in float32 with the weights rounded
-    to `round_to` (like `compare_logprobs` for policies)."""
+def transformers_values(
+    hf_dir: str | Path, tokens: torch.Tensor, round_to: torch.dtype | None = None
+) -> torch.Tensor:
+    """[b, s] a value model's values at every position under transformers'
+    AutoModelForSequenceClassification (its head applied to every hidden state), float32."""
     from transformers import AutoModelForSequenceClassification
 
-    tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
     model = AutoModelForSequenceClassification.from_pretrained(hf_dir, dtype=round_to)
     model = model.float().eval()
     hidden = model.model(input_ids=tokens).last_hidden_state
-    hf = model.score(hidden)[..., 0].float()
-    del model
-    mc = megatron_outputs(megatron_dir, cfg, tokens, round_to, value_head=True)[..., 0]
-    return float((hf - mc).abs().max())
+    return model.score(hidden)[..., 0].float()
 
 
 def conversion_difference(
-    hf_dir: Path, megatron_dir: Path, cfg: ModelConfig, dtype: torch.dtype, value_head: bool
+    hf_dir: Path,
+    megatron_dir: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype | None,
+    value_head: bool,
+    *,
+    count: int = 2,
+    length: int = 32,
+    seed: int = 0,
 ) -> tuple[str, float]:
-    """The conversion tools' verifier (checkpoint.convert.Verifier): a value model's values,
-    or a policy's log-probs, compared between the two sides with the weights in `dtype`."""
+    """The conversion tools' verifier (checkpoint.convert.Verifier): ("value" or "log-prob",
+    the max |difference|) of a value model's values at every position, or a policy's
+    log-probs, on random token sequences, between transformers and a one-process megatron
+    model; both in float32 with the weights rounded to `dtype`."""
+    tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
     if value_head:
-        return "value", compare_values(hf_dir, megatron_dir, cfg, round_to=dtype)
-    return "log-prob", compare_logprobs(hf_dir, megatron_dir, cfg, round_to=dtype)
+        hf = transformers_values(hf_dir, tokens, dtype)
+        mc = megatron_outputs(megatron_dir, cfg, tokens, dtype, value_head=True)[..., 0]
+        return "value", float((hf - mc).abs().max())
+    hf = transformers_logprobs(hf_dir, tokens, dtype)
+    mc = megatron_logprobs(megatron_dir, cfg, tokens, dtype)
+    return "log-prob", float((hf - mc).abs().max())

@@ -22,6 +22,7 @@ import pytest
 import torch
 from launch import (
     REPO,
+    TINY_RUN,
     checkpoint_tensors,
     gspo_train,
     gspo_train_command,
@@ -31,19 +32,11 @@ from launch import (
 
 from gspo_megatron.checkpoint import manifest
 
-TINY = [
-    "rollout.prompts_per_step=2",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=4",
-    "eval.every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-]
 VOLATILE = ("time/", "perf/")
 
 
 def train(run_dir: Path, *overrides: str, **kwargs) -> subprocess.CompletedProcess:
-    return gspo_train(run_dir, *TINY, *overrides, **kwargs)
+    return gspo_train(run_dir, *TINY_RUN, *overrides, **kwargs)
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -70,7 +63,7 @@ def test_kill_9_at_five_points_then_resume_is_bitwise_exact(tmp_path):
     # The uninterrupted run goes on beside the killed ones (one thread each, two cores).
     log = (tmp_path / "straight.log").open("w")
     reference = subprocess.Popen(
-        gspo_train_command(straight, [*TINY, *common]), env=gspo_train_env(), cwd=REPO,
+        gspo_train_command(straight, [*TINY_RUN, *common]), env=gspo_train_env(), cwd=REPO,
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     faults = [
@@ -112,7 +105,7 @@ def test_kill_9_during_a_rollback_then_resume_completes_it_exactly(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     log = (tmp_path / "straight.log").open("w")
     reference = subprocess.Popen(
-        gspo_train_command(straight, [*TINY, *common]), env=gspo_train_env(corrupted), cwd=REPO,
+        gspo_train_command(straight, [*TINY_RUN, *common]), env=gspo_train_env(corrupted), cwd=REPO,
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     train(killed, *common, faults=f"{corrupted},kill_after_rollback_record=1", expect="killed")

@@ -17,19 +17,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch import REPO, gspo_train, gspo_train_command, gspo_train_env, read_metrics
+from launch import REPO, TINY_RUN, gspo_train, gspo_train_command, gspo_train_env, read_metrics
 
 pytestmark = pytest.mark.distributed
 
-TWO_RANKS = [
-    "parallel=ep2",
-    "rollout.prompts_per_step=2",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=4",
-    "eval.every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-]
+TWO_RANKS = ["parallel=ep2", *TINY_RUN]
 
 
 def start(run_dir: Path, *overrides: str) -> subprocess.Popen:

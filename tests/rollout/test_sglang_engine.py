@@ -3,7 +3,6 @@ that validates every request body with sglang's own request classes: generation,
 sync mode with the begin/end protocol, memory release, control calls, and failures."""
 
 import hashlib
-import importlib.util
 import json
 import re
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import needs_sglang
 
 from gspo_megatron.ranks import SingleRank
 from gspo_megatron.rollout.base import RolloutUnavailableError, SamplingParams, ServerRolloutEngine
@@ -34,10 +34,7 @@ try:  # tests/rollout may or may not be a package
 except ImportError:
     import sglang_test_server as fake
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("sglang") is None or importlib.util.find_spec("zmq") is None,
-    reason="needs `pip install --no-deps sglang==0.5.23` and pyzmq (the test extra)",
-)
+pytestmark = needs_sglang
 
 FAST = {"health_timeout_s": 20.0, "max_retries": 2, "backoff_s": 0.01, "backoff_max_s": 0.05}
 

@@ -2,22 +2,19 @@
 where it answers (docs/SGLANG.md, "What kills a server"): a client change that would kill a real
 server kills the stand-in, and the tests that use it fail."""
 
-import importlib.util
 import json
 import urllib.error
 import urllib.request
 
 import pytest
+from launch import needs_sglang
 
 try:  # tests/rollout may or may not be a package
     from . import sglang_test_server as fake
 except ImportError:
     import sglang_test_server as fake
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("sglang") is None or importlib.util.find_spec("zmq") is None,
-    reason="needs `pip install --no-deps sglang==0.5.23` and pyzmq (the test extra)",
-)
+pytestmark = needs_sglang
 
 ALL = ["weights", "kv_cache", "cuda_graph"]
 

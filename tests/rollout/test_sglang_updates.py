@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
 
 import pytest
 import torch
+from launch import needs_sglang
 
 from gspo_megatron.event_loop import LoopThread
 from gspo_megatron.rollout.sglang.client import SGLangClient
@@ -49,10 +49,6 @@ try:  # tests/rollout may or may not be a package
 except ImportError:
     import sglang_test_server as fake
 
-needs_sglang = pytest.mark.skipif(
-    importlib.util.find_spec("sglang") is None or importlib.util.find_spec("zmq") is None,
-    reason="needs `pip install --no-deps sglang==0.5.23` and pyzmq (the test extra)",
-)
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
 OPEN = "a weight-update session is already open"

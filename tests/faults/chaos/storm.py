@@ -18,16 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from faults.chaos.jobs import Job, temporaries, unclear_lines
+from launch import TINY_RUN
 
 TINY = [
     "parallel=ep2",
     "algorithm.num_minibatches=1",  # 8 responses a step: one minibatch of one per rank at 8
-    "rollout.prompts_per_step=2",
-    "rollout.group_size=4",
-    "rollout.max_new_tokens=4",
-    "eval.every=0",
-    "logging.progress=false",
-    "logging.tensorboard=false",
+    *TINY_RUN,
 ]
 
 
