@@ -19,7 +19,9 @@ The second split times calls made by the run itself: forward hooks on the model 
 wrappers around megatron's `backward_step` / `forward_step_calc_loss`, the optimizer's `step`
 and the rollout decoder's `forward`, each counting its own time exclusive of the others nested in
 it. --profile N then runs --profile-steps more steps under cProfile and prints the N functions
-with the most own time (the profiler slows Python code, so it never overlaps the timed steps).
+with the most own time (the profiler slows Python code, so it never overlaps the timed steps);
+with --profile-rest the profiler pauses inside the timed calls, so it shows only "everything
+else".
 One step more ends the run (its evaluation and checkpoint are not measured).
 """
 
@@ -58,6 +60,8 @@ class WorkClock:
         self.wall: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = defaultdict(float)
         self._stack: list[list] = []  # [kind, wall started, cpu started]
+        # profiles only what no timed call covers ("everything else") while set
+        self.profiler: cProfile.Profile | None = None
 
     def _charge(self, entry: list, wall: float, cpu: float) -> None:
         self.wall[entry[0]] += wall - entry[1]
@@ -67,6 +71,8 @@ class WorkClock:
         wall, cpu = time.perf_counter(), time.thread_time()
         if self._stack:
             self._charge(self._stack[-1], wall, cpu)
+        elif self.profiler is not None:
+            self.profiler.disable()
         self._stack.append([kind, wall, cpu])
 
     def leave(self) -> None:
@@ -74,6 +80,8 @@ class WorkClock:
         self._charge(self._stack.pop(), wall, cpu)
         if self._stack:
             self._stack[-1][1:] = [wall, cpu]
+        elif self.profiler is not None:
+            self.profiler.enable()
 
     def wrap(self, kind: str, fn):
         def timed(*args, **kwargs):
@@ -159,8 +167,10 @@ def run(args, overrides: list[str], run_dir: Path) -> tuple[list[dict], pstats.S
         stamps.append(now)
         if profiler is not None and step == args.steps:
             profiler.enable()
+            clock.profiler = profiler if args.profile_rest else None
         if profiler is not None and step == total - 1:
             profiler.disable()  # before the last step's evaluation and checkpoint
+            clock.profiler = None
 
     trainer.log.write = write_and_stamp
     try:
@@ -225,6 +235,11 @@ def main() -> int:
         "--profile", type=int, default=0, help="then profile --profile-steps more steps: top N"
     )
     parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument(
+        "--profile-rest",
+        action="store_true",
+        help="profile only what the model's compute leaves out (everything else)",
+    )
     parser.add_argument("--sort", default="tottime", help="cProfile order: tottime | cumulative")
     parser.add_argument("--json", type=Path, default=None, help="write the per-step records")
     args, overrides = parser.parse_known_args()
@@ -239,7 +254,8 @@ def main() -> int:
         out = io.StringIO()
         stats.stream = out
         stats.sort_stats(args.sort).print_stats(args.profile)
-        print(f"\nprofile of the measured steps, top {args.profile} by own time:")
+        what = "everything but the model's compute" if args.profile_rest else "the measured steps"
+        print(f"\nprofile of {what}, top {args.profile} by {args.sort}:")
         print(_short_paths(out.getvalue()))
     return 0
 

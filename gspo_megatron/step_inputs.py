@@ -19,6 +19,7 @@ gspo_megatron.megatron.training_engine.TrainingEngine, or the tests' fakes).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -310,12 +311,11 @@ def _mask_product(a: list[float] | None, b: list[int] | None) -> list[float] | N
 
 
 def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(r) for r in rows)
-    values = torch.zeros(len(rows), longest, dtype=torch.float64)
-    mask = torch.zeros(len(rows), longest, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        values[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
-        mask[i, : len(r)] = True
+    """[b, longest] float64 right-padded rows and their mask, filled in one assignment."""
+    lengths = torch.tensor([len(r) for r in rows])
+    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    values = torch.zeros(mask.shape, dtype=torch.float64)
+    values[mask] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.float64)
     return values, mask
 
 
@@ -346,14 +346,16 @@ def _route_flips(
     if not rollout_routes or any(r is None for r in rollout_routes):
         return {}
     layers = trainer_routes[0].shape[1]
-    changed = np.zeros(layers)
-    tokens = 0
-    for given, used in zip(rollout_routes, trainer_routes, strict=True):
-        n = min(len(given), len(used))
-        a = np.sort(np.asarray(given[:n]).reshape(n, layers, -1), axis=-1)
-        b = np.sort(np.asarray(used[:n]).reshape(n, layers, -1).astype(a.dtype), axis=-1)
-        changed += (a != b).any(-1).sum(0)
-        tokens += n
+    given, used = [], []
+    for a, b in zip(rollout_routes, trainer_routes, strict=True):
+        n = min(len(a), len(b))
+        given.append(np.asarray(a[:n]).reshape(n, layers, -1))
+        used.append(np.asarray(b[:n]).reshape(n, layers, -1).astype(given[-1].dtype))
+    # every consumed token of the batch at once: the experts as sets (sorted), compared
+    given_sets = np.sort(np.concatenate(given), axis=-1)
+    used_sets = np.sort(np.concatenate(used), axis=-1)
+    changed = (given_sets != used_sets).any(-1).sum(0).astype(np.float64)
+    tokens = len(given_sets)
     sums = {"route_flips/sum": changed.sum(), "route_flips/count": float(tokens * layers)}
     for layer in range(layers):
         sums[f"route_flips/layer_{layer}/sum"] = changed[layer]
