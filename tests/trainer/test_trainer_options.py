@@ -630,6 +630,26 @@ def test_routes_are_not_recorded_without_route_metrics(composer, tokenizer):
         )
 
 
+@pytest.mark.parametrize("replay", ["off", "r3"])
+def test_metrics_add_no_forward(composer, tokenizer, replay):
+    """The route, expert-load and mismatch metrics ride on forwards the step runs anyway: with
+    the rollout's log-probs a step runs no policy forward at all (the expert load comes from
+    the rollout's routes under R3), and no reference forward without a KL term; with
+    recomputed log-probs, exactly one (counted calls, every step)."""
+    for old in ("rollout", "recompute"):
+        run = run_fake(
+            composer, tokenizer, f"algorithm.old_logprobs={old}",
+            f"algorithm.routing_replay={replay}",
+        )  # fmt: skip
+        for events in run.journal.steps():
+            assert len(_step_calls(events, "forward", "policy")) == int(old == "recompute")
+            assert _step_calls(events, "forward", "reference") == []
+        records = [m for _, m in run.log.records]
+        assert all("actor/entropy" in m and "actor/grad_norm" in m for m in records)
+        if replay == "r3" or old == "recompute":
+            assert all("moe/max_expert_load_over_mean" in m for m in records)
+
+
 def test_step_metrics(composer, tokenizer):
     run = run_fake(
         composer, tokenizer, "algorithm.mismatch=tis", "algorithm.mismatch_level=sequence"
