@@ -19,8 +19,10 @@ the scheduler is set, never added to) and RNG load together.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
+import gc
 import os
 import queue
 import shutil
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.optimizer import distrib_optimizer
 
 from gspo_megatron import files
 from gspo_megatron.checkpoint import manifest
@@ -162,10 +165,41 @@ def save_engine(
 def _engine_state(engine, with_optimizer: bool) -> dict[str, Any]:
     state = {"model": model_sharded_state_dict(engine.unwrapped_chunks)}
     if with_optimizer:
-        state["optimizer"] = engine.optimizer.sharded_state_dict(
-            state["model"], metadata=_OPTIMIZER_METADATA
-        )
+        state["optimizer"] = optimizer_sharded_state_dict(engine, state["model"])
     return state
+
+
+def optimizer_sharded_state_dict(engine, model_sd: dict, *, is_loading: bool = False) -> dict:
+    """The optimizer's sharded state dict in _OPTIMIZER_METADATA's format, for a save or a load.
+
+    megatron ends building that format with a full gc.collect(), for training loops that turn
+    the collector off; with it on, as in gspo-train, the collection frees nothing the collector
+    would not, and costs ~0.2 s of CPU per save and per load (torch and megatron fill the heap):
+    it is skipped then."""
+    with _no_forced_collection():
+        return engine.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        )
+
+
+class _CollectorRuns:
+    """`gc` as distrib_optimizer sees it while the collector is on: collect() does nothing."""
+
+    @staticmethod
+    def collect(generation: int = 2) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def _no_forced_collection():
+    if not gc.isenabled():
+        yield
+        return
+    distrib_optimizer.gc = _CollectorRuns
+    try:
+        yield
+    finally:
+        distrib_optimizer.gc = gc
 
 
 def _engine_meta(engine, with_optimizer: bool, extra: dict[str, Any]) -> dict[str, Any]:
@@ -455,9 +489,7 @@ def _load_own_layout_state(engine, path: Path, with_optimizer: bool) -> None:
     state = {"model": model_sd}
     if with_optimizer:
         _ensure_optimizer_state(engine)
-        state["optimizer"] = engine.optimizer.sharded_state_dict(
-            model_sd, is_loading=True, metadata=_OPTIMIZER_METADATA
-        )
+        state["optimizer"] = optimizer_sharded_state_dict(engine, model_sd, is_loading=True)
     loaded = _read(state, path)
     for i, chunk in enumerate(engine.unwrapped_chunks):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
