@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,14 @@ def train(
     return gspo_train(
         run_dir, *SMALL, *overrides, nproc=nproc, timeout=timeout, expect=expect, faults=faults,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory) -> Path:
+    """A finished one-step run of SMALL (read-only: copy it to change it)."""
+    run_dir = tmp_path_factory.mktemp("one_step") / "run"
+    train(run_dir, "trainer.steps=1", "eval.every=0")
+    return run_dir
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -150,7 +159,7 @@ def test_sigterm_checkpoints_and_exits_zero(tmp_path):
 
 
 @pytest.mark.distributed
-def test_two_processes_match_one_given_the_same_rollouts(tmp_path):
+def test_two_processes_match_one_given_the_same_rollouts(tmp_path, one_step_run):
     """EP2 over two processes vs one process, from the same initial weights and seed.
 
     Random initialisation is not layout-invariant (each expert-parallel or pipeline rank draws
@@ -159,9 +168,8 @@ def test_two_processes_match_one_given_the_same_rollouts(tmp_path):
     over data-parallel replicas), and the training side agrees to float32 precision; timings
     and throughput differ. The MoE load-balancing loss is computed per micro-batch (as in
     megatron), so it depends on how the batch is split over ranks: it is off by default."""
-    start, one, two = tmp_path / "start", tmp_path / "one", tmp_path / "two"
-    train(start, "trainer.steps=1", "eval.every=0")
-    init = f"model.init_from={start / 'checkpoints' / 'step_000001'}"
+    one, two = tmp_path / "one", tmp_path / "two"
+    init = f"model.init_from={one_step_run / 'checkpoints' / 'step_000001'}"
     common = [
         "trainer.steps=3",
         "eval.every=0",
@@ -188,9 +196,10 @@ def test_config_errors_are_reported_before_building(tmp_path):
     assert "world size 1 is not divisible by parallel.tp*pp*cp" in proc.stderr
 
 
-def test_refuses_directory_of_another_run(tmp_path):
-    train(tmp_path, "trainer.steps=1", "eval.every=0")
-    proc = train(tmp_path, "trainer.steps=2", "algorithm=grpo", check=False)
+def test_refuses_directory_of_another_run(tmp_path, one_step_run):
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_step_run, run_dir)
+    proc = train(run_dir, "trainer.steps=2", "algorithm=grpo", check=False)
     assert proc.returncode != 0
     assert "holds a run with a different config" in proc.stderr
     assert "algorithm.loss" in proc.stderr
