@@ -21,7 +21,8 @@ and the rollout decoder's `forward`, each counting its own time exclusive of the
 it. --profile N then runs --profile-steps more steps under cProfile and prints the N functions
 with the most own time (the profiler slows Python code, so it never overlaps the timed steps);
 with --profile-rest the profiler pauses inside the timed calls, so it shows only "everything
-else".
+else". --itemise splits "everything else" by the named parts in ITEMS (micro-batch building, the
+gradient sync, the rollout engine's Python, route and mismatch metrics, ...), timed the same way.
 One step more ends the run (its evaluation and checkpoint are not measured).
 """
 
@@ -48,6 +49,48 @@ COMPUTE = [
     "optimizer step",
     "rollout decoder",
 ]
+# --itemise: the named parts of "everything else" (module, attribute path), each timed like the
+# model's work (exclusive of what nests in it); what none of them covers stays "not itemised".
+ITEMS = {
+    "micro-batch building (plan, pad, pack)": [
+        ("gspo_megatron.megatron.training_engine", "TrainingEngine._microbatches"),
+    ],
+    "gradient sync (finalize_model_grads)": [],  # the engine's config holds it: see itemise()
+    "megatron's schedule, its own Python": [
+        ("megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining"),
+    ],
+    "the rollout engine's Python (batching, sampling)": [
+        ("gspo_megatron.rollout.embedded.in_process", "EmbeddedEngine.generate"),
+        ("gspo_megatron.rollout.embedded.batching", "GenerationBatch.__init__"),
+        ("gspo_megatron.rollout.embedded.batching", "GenerationBatch._prefill"),
+        ("gspo_megatron.rollout.embedded.batching", "GenerationBatch._choose"),
+        ("gspo_megatron.rollout.embedded.batching", "GenerationBatch._finish_rows"),
+        ("gspo_megatron.rollout.embedded.batching", "GenerationBatch._emit"),
+    ],
+    "route recording and route-change metrics": [
+        ("gspo_megatron.megatron.routing", "RouteRecorder.begin"),
+        ("gspo_megatron.megatron.routing", "RouteRecorder.before_forward"),
+        ("gspo_megatron.megatron.routing", "RouteRecorder.after_forward"),
+        ("gspo_megatron.megatron.routing", "RouteRecorder.end"),
+        ("gspo_megatron.megatron.routing", "RouteRecorder.collect"),
+        ("gspo_megatron.megatron.routing", "RouteRecorder.step_metrics"),
+    ],
+    "loss denominator, metric sums, finiteness": [
+        ("gspo_megatron.megatron.training_engine", "TrainingEngine._global_denominator"),
+        ("gspo_megatron.megatron.training_engine", "TrainingEngine._reduce_metric_sums"),
+        ("gspo_megatron.megatron.training_engine", "TrainingEngine._all_finite"),
+    ],
+    "old-policy results per token, sample checks": [
+        ("gspo_megatron.megatron.training_engine", "TrainingEngine._collect_per_token"),
+        ("gspo_megatron.megatron.training_engine", "validate_samples"),
+    ],
+    "mismatch, route-flip and expert-load metrics": [
+        ("gspo_megatron.step_inputs", "_mismatch_stats"),
+        ("gspo_megatron.step_inputs", "_route_flips"),
+        ("gspo_megatron.step_inputs", "_expert_load"),
+    ],
+    "reward scoring": [("gspo_megatron.collector", "RolloutCollector.score")],
+}
 
 
 class WorkClock:
@@ -118,6 +161,23 @@ def instrument(trainer, clock: WorkClock) -> None:
         decoder.forward = clock.wrap("rollout decoder", decoder.forward)
 
 
+def itemise(trainer, clock: WorkClock) -> None:
+    """Time the ITEMS of "everything else" too."""
+    import importlib
+
+    for kind, targets in ITEMS.items():
+        for module_name, path in targets:
+            owner = importlib.import_module(module_name)
+            *outer, name = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            setattr(owner, name, clock.wrap(kind, getattr(owner, name)))
+    config = trainer.engine.config
+    config.finalize_model_grads_func = clock.wrap(
+        "gradient sync (finalize_model_grads)", config.finalize_model_grads_func
+    )
+
+
 def run(args, overrides: list[str], run_dir: Path) -> tuple[list[dict], pstats.Stats | None]:
     import torch
 
@@ -147,6 +207,8 @@ def run(args, overrides: list[str], run_dir: Path) -> tuple[list[dict], pstats.S
     trainer = build_trainer(run_cfg, model, layout, run_dir)
     clock = WorkClock()
     instrument(trainer, clock)
+    if args.itemise:
+        itemise(trainer, clock)
     profiler = cProfile.Profile() if args.profile else None
     steps: list[dict] = []
     write = trainer.log.write
@@ -183,7 +245,7 @@ def run(args, overrides: list[str], run_dir: Path) -> tuple[list[dict], pstats.S
     return steps[args.warmup : args.steps], stats
 
 
-def report(measured: list[dict], overrides: list[str]) -> None:
+def report(measured: list[dict], overrides: list[str], itemised: bool) -> None:
     n = len(measured)
 
     def mean(values) -> float:
@@ -224,6 +286,21 @@ def report(measured: list[dict], overrides: list[str]) -> None:
     row(
         "everything else (goal <= 10%)", {"wall": wall - totals["wall"], "cpu": cpu - totals["cpu"]}
     )
+    if not itemised:
+        return
+    items = {
+        kind: {c: mean(s["work"][c].get(kind, 0.0) for s in measured) for c in totals}
+        for kind in ITEMS
+    }
+    for kind, values in sorted(items.items(), key=lambda item: -item[1]["cpu"]):
+        row(f"  {kind}", values)
+    row(
+        "  not itemised",
+        {
+            c: (wall if c == "wall" else cpu) - totals[c] - sum(v[c] for v in items.values())
+            for c in totals
+        },
+    )
 
 
 def main() -> int:
@@ -241,13 +318,16 @@ def main() -> int:
         help="profile only what the model's compute leaves out (everything else)",
     )
     parser.add_argument("--sort", default="tottime", help="cProfile order: tottime | cumulative")
+    parser.add_argument(
+        "--itemise", action="store_true", help="split everything else into ITEMS too"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the per-step records")
     args, overrides = parser.parse_known_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
     with tempfile.TemporaryDirectory() as tmp:
         measured, stats = run(args, overrides, Path(tmp) / "run")
-    report(measured, overrides)
+    report(measured, overrides, args.itemise)
     if args.json:
         args.json.write_text(json.dumps(measured, indent=1))
     if stats is not None:
