@@ -197,7 +197,7 @@ class GenerationBatch:
         counts = cache.counts
         if not getattr(self.decoder, "keeps_context", False):
             counts.unsupported += len(picked)
-            counts.prefill_tokens += sum(length - start for start in starts)
+            counts.prefill_tokens += sum(self.seqs[row].fed for row in picked)
             return 0
         version = self.engine.weight_version
         kept: list[KeptContext | None] = []

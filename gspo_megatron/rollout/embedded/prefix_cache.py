@@ -143,8 +143,12 @@ class PrefixCache:
             self._drop(key)
 
     def invalidate(self) -> None:
-        """The weights changed: nothing held may be reused."""
+        """The weights changed: nothing held may be reused (counted)."""
         self.counts.invalidated += len(self._entries)
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop everything held (the rollouts are over: their memory goes back)."""
         self._entries.clear()
         self._lengths.clear()
         self.held_tokens = 0
