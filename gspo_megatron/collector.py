@@ -227,6 +227,7 @@ class RolloutCollector:
             )
             fill = dupo_fill_indices(batch.rewards, num_groups=wanted, generator=generator)
             batch = _select(batch, fill)  # empty when no group is informative, as with DAPO
+        self.driver.release_kept_context()  # before training needs the memory
         stats.update(_generation_metrics(generated))
         if self.episodes is not None:
             stats["time/env"] = self.episodes.take_env_time()

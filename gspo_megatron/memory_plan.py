@@ -48,7 +48,8 @@ Assumptions of the estimate (parameters are exact; the rest is an estimate):
 - Micro-batch tokens = min(engine.max_tokens_per_microbatch, the tokens one DP rank trains on
   per optimizer step, at engine.max_sequence_length per response).
 - Rollout, colocated: the embedded engine adds a KV cache of rollout.max_batch_tokens slots for
-  this stage's layers plus one layer's prefill activations while generating (its cache is freed
+  this stage's layers plus one layer's prefill activations while generating, and (rollout.mode=
+  sync) the K/V of up to rollout.prefix_cache_tokens tokens kept between calls (both freed
   before training). Colocated SGLang servers hold mem_fraction_static of the GPU while generating;
   with offload_after_generate they keep ~2 GiB (CUDA context, graphs' pools) while training,
   without it their whole fraction. Servers on other GPUs (disaggregated) cost the trainer nothing.
@@ -616,7 +617,7 @@ def _rollout_share(
         b = DTYPE_BYTES[model.params_dtype]
         layers = model.num_hidden_layers // layout.pp
         kv_heads = math.ceil(model.num_key_value_heads / layout.tp)
-        cache = r.kv_cache_tokens * layers * 2 * kv_heads * model.head_dim * b
+        cache = (r.kv_cache_tokens + r.kept_kv_tokens) * layers * 2 * kv_heads * model.head_dim * b
         prefill = layer_activation_bytes(model, layout, r.kv_cache_tokens * layout.cp)
         generating += (cache + prefill) / GIB
     if r.server_fraction:

@@ -65,7 +65,8 @@ class RolloutShare:
     nothing: servers on GPUs of their own.
 
     kv_cache_tokens: an engine in the trainer's processes: the KV-cache slots of one generation
-    batch (plus one layer's prefill activations), while generating.
+    batch (plus one layer's prefill activations), while generating. kept_kv_tokens: K/V it keeps
+    between generate calls while generating (the embedded engine's prefix cache).
     server_fraction: colocated servers: the share of each GPU they hold while generating;
     server_idle_gib: what they keep while training (None: all of it); fraction_key: the
     setting that sets their share (named in the planner's advice).
@@ -74,14 +75,18 @@ class RolloutShare:
     """
 
     kv_cache_tokens: int = 0
+    kept_kv_tokens: int = 0
     server_fraction: float = 0.0
     server_idle_gib: float | None = None
     fraction_key: str = ""
     keeps_policy_weights: bool = False
 
     def __post_init__(self) -> None:
-        if self.kv_cache_tokens < 0:
-            raise ValueError(f"KV-cache slots must be >= 0, got {self.kv_cache_tokens}")
+        if self.kv_cache_tokens < 0 or self.kept_kv_tokens < 0:
+            raise ValueError(
+                f"KV-cache slots must be >= 0, got {self.kv_cache_tokens} (batch) and "
+                f"{self.kept_kv_tokens} (kept)"
+            )
         if not 0 <= self.server_fraction < 1:
             raise ValueError(
                 f"colocated servers' share of a GPU ({self.fraction_key or 'server_fraction'}) "
@@ -92,6 +97,8 @@ class RolloutShare:
         parts = []
         if self.kv_cache_tokens:
             parts.append(f"a KV cache of {self.kv_cache_tokens} tokens while generating")
+        if self.kept_kv_tokens:
+            parts.append(f"up to {self.kept_kv_tokens} tokens' K/V kept between generate calls")
         if self.server_fraction:
             idle = "all" if self.server_idle_gib is None else f"{self.server_idle_gib:g} GiB"
             parts.append(

@@ -196,6 +196,15 @@ class InProcessRolloutEngine(Protocol):
         trainer's parameters in memory."""
         ...
 
+    def release_kept_context(self) -> None:
+        """Free what the engine keeps between generate calls (the trainer's rollouts of a step
+        are over; the embedded engine's prefix cache)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Counts since the last call, as rollout/* metrics (the same on every rank)."""
+        ...
+
     def close(self) -> None: ...
 
 

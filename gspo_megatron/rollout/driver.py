@@ -210,6 +210,14 @@ class RolloutDriver:
             raise RolloutFailedOnRankZero(f"rank 0's weight update failed: {message}")
 
     def fault_metrics(self) -> dict[str, float]:
+        """The engine's counts since the last call, as rollout/* metrics: a server engine's
+        faults (rank 0's), an in-process engine's (the context the embedded engine kept)."""
         if self._collective:
-            return {}
+            return self.engine.metrics()
         return self.engine.fault_metrics()
+
+    def release_kept_context(self) -> None:
+        """The step's rollouts are over: an in-process engine frees what it kept between calls
+        before the trainer needs the memory."""
+        if self._collective:
+            self.engine.release_kept_context()

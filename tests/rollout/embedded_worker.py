@@ -337,6 +337,39 @@ def check_episodes(trainer, engine, tag: str) -> None:
     report(f"{tag}episode_logprob_vs_trainer", diff, 1e-6)
     report(f"{tag}episode_routes_cover_trajectory", int(not ok), ok=ok and observed > 0)
     digest(f"{tag}episodes", [samples])
+    check_kept_context(trainer, engine, tag, lambda e: runner.run(e, prompts, 2, params), samples)
+
+
+def check_kept_context(trainer, engine, tag: str, episodes, plain) -> None:
+    """The same episodes with context kept between turns (rollout.prefix_cache_tokens): the
+    same tokens, log-probs within 1e-5 and routes; the torch decoder reuses K/V (counted), the
+    megatron decoder counts every prompt it prefilled whole; a weight update drops it all."""
+    from gspo_megatron.ranks import ProcessGroupRanks
+    from gspo_megatron.rollout.driver import RolloutDriver
+
+    kept = EmbeddedEngine(
+        trainer, record_routes=True, backend=engine.decoder.name, prefix_cache_tokens=4096
+    )
+    driver = RolloutDriver(kept, ProcessGroupRanks(), None)
+    samples = flat(episodes(driver))
+    same, diff = True, 0.0
+    for a, b in zip(samples, plain, strict=True):
+        same &= a.response_ids == b.response_ids and a.loss_mask == b.loss_mask
+        same &= bool((a.routed_experts == b.routed_experts).all())
+        diff = max(diff, float(np.abs(np.asarray(a.logprobs) - np.asarray(b.logprobs)).max()))
+    report(f"{tag}kept_context_same_tokens_and_routes", int(not same), ok=same)
+    report(f"{tag}kept_context_logprob_vs_plain", diff, LOGPROB_TOL)
+    metrics = driver.fault_metrics()
+    reused = metrics["rollout/prefix_cache_reused_tokens"]
+    if kept.decoder.keeps_context:
+        counted = metrics["rollout/prefix_cache_hits"] > 0 and reused > 0
+    else:
+        counted = metrics["rollout/prefix_cache_unsupported"] > 0 and reused == 0
+    held = len(kept.prefix_cache)
+    kept.update_weights(None, 0)
+    counted &= len(kept.prefix_cache) == 0 and kept.prefix_cache.held_tokens == 0
+    report(f"{tag}kept_context_counted_and_dropped_by_update", int(not counted), ok=counted)
+    report(f"{tag}kept_context_held", held, ok=(held > 0) == kept.decoder.keeps_context)
 
 
 def sample_length(sample) -> int:

@@ -20,7 +20,10 @@ of a tag (memory saver: pause of a paused allocation), and the model running ove
 weight update into released weights), an empty weight-update group name (an assertion).
 
 Generation is fake and deterministic (`fake_completion`, `fake_routed_experts`); the weight
-version is part of the hash, so new weights give new samples. Test-only endpoints under /_test/
+version is part of the hash, so new weights give new samples. `meta_info.cached_tokens` comes
+from a radix cache as SGLang's: the longest prefix of a sample's input_ids among the sequences
+prefilled and generated before it (the last input token always computed), flushed by a weight
+update, /flush_cache and a release of the kv_cache. Test-only endpoints under /_test/
 inject faults (500, slow, malformed JSON, a failing weight update) and expose the request log and
 the received weights.
 
@@ -457,6 +460,8 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         "generating": 0,  # /generate requests holding the model (SGLang's model_update_lock)
         "updating": 0,  # weight updates holding or waiting for it
         "health_checks": 0,  # GET /health and /health_generate (not in the log)
+        # the radix cache: token sequences whose KV the server holds (meta_info.cached_tokens)
+        "radix": [],
     }
     unpaused = asyncio.Event()
     unpaused.set()
@@ -729,8 +734,16 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
                 pass
             finally:
                 state["inflight"].discard(ev)
+        # prefilled in order: a sample finds the prompts before it in the radix cache
+        cached = []
+        for ids, _, _ in items:
+            cached.append(cached_tokens(ids))
+            state["radix"].append(list(ids))
         out = []
-        for rid, (ids, _, want_lp), (toks, lps, finish) in zip(obj.rid, items, done, strict=True):
+        for rid, (ids, _, want_lp), (toks, lps, finish), hit in zip(
+            obj.rid, items, done, cached, strict=True
+        ):
+            state["radix"].append(list(ids) + toks[:-1])  # the tokens it fed
             if kept is not None and len(toks) > kept:
                 toks, lps = toks[:kept], lps[:kept]
                 finish = {"type": "abort", "message": message, "status_code": None,
@@ -738,7 +751,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             meta = {
                 "id": rid, "finish_reason": finish, "prompt_tokens": len(ids),
                 "weight_version": version, "num_retractions": 0,
-                "reasoning_tokens": 0, "completion_tokens": len(toks), "cached_tokens": 0,
+                "reasoning_tokens": 0, "completion_tokens": len(toks), "cached_tokens": hit,
                 "e2e_latency": 0.001,
             }  # fmt: skip
             if want_lp:
@@ -776,7 +789,21 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         if "weights" in memory_gone():
             crash(path, "weights loaded into released memory (a CUDA illegal memory access)")
 
+    def cached_tokens(ids):
+        """SGLang's prefix match: the longest prefix of `ids` the radix cache holds, leaving
+        the last token to compute (it gives the first output's logits)."""
+        best = 0
+        for held in state["radix"]:
+            n = 0
+            for a, b in zip(held, ids[: len(ids) - 1], strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
+
     def record(named, version):
+        state["radix"].clear()  # SGLang flushes its cache on a weight update
         for name, t in named:
             state["weights"][name] = t.clone()
         if version is not None:
@@ -1016,6 +1043,8 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
                   "be called only when server is idle.")  # fmt: skip
         again = sorted(set(tags) & set(memory_gone()))
         state["released"].update(tags)
+        if "kv_cache" in tags:
+            state["radix"].clear()
         if again:  # torch_memory_saver.pause of paused allocations: exit(1)
             crash("/release_memory_occupation", f"torch_memory_saver: Cannot pause allocation "
                   f"that is not active (tags {again} released already)")  # fmt: skip
@@ -1037,6 +1066,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
     async def flush_cache(request):
         if not idle():  # Scheduler.flush_cache refuses
             return web.Response(text="Flush cache failed.\n", status=400)
+        state["radix"].clear()
         return web.Response(
             text="Cache flushed.\nPlease check backend logs for more details. (When there are "
             "running or waiting requests, the operation will not be performed.)\n"
@@ -1113,6 +1143,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         state.update(session=None, version="default", paused=False, weights={}, log=[],
                      faults={})  # fmt: skip
         state["released"].clear()
+        state["radix"].clear()
         for name in list(state["groups"]):
             destroy_group(name)
         unpaused.set()

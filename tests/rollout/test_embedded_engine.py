@@ -7,7 +7,10 @@ fp32); with temperature/top-k/top-p the log-probs are those of the renormalised 
 distribution; stop tokens and max_new_tokens (and the trainer's max sequence length) are
 honoured; a seed fixes the samples whatever the batching; recorded routes equal the trainer's;
 multi-turn episodes (scripted observations between turns) keep the model tokens' log-probs
-equal to the trainer's recompute (<= 1e-6) and their routes cover the whole trajectory; after a
+equal to the trainer's recompute (<= 1e-6) and their routes cover the whole trajectory, and
+with context kept between turns (rollout.prefix_cache_tokens) give the same tokens and routes
+with log-probs within 1e-5, the torch decoder reusing K/V and the megatron one counting every
+prompt it prefilled whole; after a
 train step + update_weights the samples come from the new weights; train mode and
 sequence parallelism are restored; every rank returns the same samples.
 """
@@ -34,6 +37,10 @@ CORE = [
     "routed_experts_equal_trainer_routes",
     "episode_logprob_vs_trainer",
     "episode_routes_cover_trajectory",
+    "kept_context_same_tokens_and_routes",
+    "kept_context_logprob_vs_plain",
+    "kept_context_counted_and_dropped_by_update",
+    "kept_context_held",
     "train_mode_and_sequence_parallel_restored",
     "after_update_equals_new_model_reference",
     "after_update_sampled_logprob_vs_trainer",

@@ -165,6 +165,33 @@ def test_generate_parses_ids_logprobs_finish_and_routed_experts(server):
     assert all(r["return_routed_experts"] for r in reqs)
 
 
+def test_cached_token_fraction_of_a_second_turn(server):
+    """SGLang's meta_info.cached_tokens, summed against the input tokens: a second turn finds
+    its context (turn one's prompt and response but its last token) in the radix cache, a
+    prompt seen before all its tokens but the last; a weight update flushes it all."""
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    params = SamplingParams(max_new_tokens=5, seed=3)
+    with make_engine([server.url]) as eng:
+        first = [g[0] for g in eng.generate(prompts, 1, params)]
+        m = eng.fault_metrics()
+        assert m["rollout/prefix_cache_reused_tokens"] == 0.0
+        assert m["rollout/prefill_tokens"] == 7.0
+        contexts = [p + s.response_ids + [9, 9] for p, s in zip(prompts, first, strict=True)]
+        eng.generate(contexts, 1, params)
+        m = eng.fault_metrics()
+        new = 3 * len(contexts)  # turn one's last token and the observation's two
+        held = sum(len(c) for c in contexts) - new
+        assert m["rollout/prefix_cache_reused_tokens"] == held
+        assert m["rollout/prefill_tokens"] == new
+        assert m["rollout/prefix_cache_reused_fraction"] == held / (held + new)
+        assert m["rollout/prefix_cache_unreported"] == 0.0
+        eng.generate([prompts[0]], 2, params)
+        assert eng.fault_metrics()["rollout/prefix_cache_reused_tokens"] == 2 * 3
+        eng.update_weights(FakeSource(seed=0), 1)
+        eng.generate(contexts, 1, params)
+        assert eng.fault_metrics()["rollout/prefix_cache_reused_tokens"] == 0.0
+
+
 def test_stop_token_ends_a_sample_with_stop(server):
     prompt = [9, 9, 9]
     ids, _, _ = fake.fake_completion(prompt, 5, "default", 10)

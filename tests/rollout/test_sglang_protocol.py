@@ -295,10 +295,11 @@ def _item(output_ids, lp_ids=None, finish=None, routed=None, **meta):
 
 def test_parse_item_reads_logprobs_finish_and_routes(api_types):
     routes = np.arange(4 * 3 * 2).reshape(4, 3, 2)
-    item = _item([7, 8], finish={"type": "stop", "matched": 8}, routed=routes)
+    item = _item([7, 8], finish={"type": "stop", "matched": 8}, routed=routes, cached_tokens=2)
     api_types.GenerateResponse.from_json_value(item)  # a response sglang's contract accepts
     out = parse_generate_item(item, prompt_len=3, url="u", routed_experts_shape=(3, 2))
     assert out.output_ids == [7, 8] and out.logprobs == [-0.5, -1.5]
+    assert out.cached_tokens == 2
     assert out.finish_reason == "stop" and out.weight_version == "3"
     assert out.routed_experts.dtype == np.int32
     np.testing.assert_array_equal(out.routed_experts, routes)
@@ -314,6 +315,8 @@ def test_parse_item_reads_logprobs_finish_and_routes(api_types):
         ({"output_ids": [1]}, "meta_info"),
         (_item([7], routed=np.zeros(5)), "routed_experts from u holds 5 int32 values"),
         (_item([7]), "--enable-return-routed-experts"),
+        (_item([7], routed=np.zeros(4), cached_tokens=3), "cached_tokens 3 from u is not a"),
+        (_item([7], routed=np.zeros(4), cached_tokens="1"), "cached_tokens '1'"),
     ],
 )
 def test_parse_item_rejects_what_sglang_does_not_send(item, fragment):

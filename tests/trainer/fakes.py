@@ -705,6 +705,12 @@ class FakeRollout:
         self.version = version
         self.journal.add("update_weights", WeightUpdate(source, version))
 
+    def release_kept_context(self) -> None:
+        pass  # it keeps nothing between calls
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         self.closed = True
 

@@ -30,6 +30,7 @@ def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
         max_batch_tokens=cfg.rollout.max_batch_tokens,
         record_routes=record_routes,
         seed=cfg.seed,
+        prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
     )
     return engine, None
 
@@ -90,8 +91,10 @@ def records_routes(cfg: RunConfig) -> bool:
 
 
 def memory_share(rollout: RolloutSection) -> RolloutShare:
-    """A KV cache of rollout.max_batch_tokens slots while generating (freed before training)."""
-    return RolloutShare(kv_cache_tokens=rollout.max_batch_tokens)
+    """A KV cache of rollout.max_batch_tokens slots while generating, and in rollout.mode=sync
+    the context kept between calls (rollout.prefix_cache_tokens); both freed before training."""
+    kept = rollout.prefix_cache_tokens if rollout.mode == "sync" else 0
+    return RolloutShare(kv_cache_tokens=rollout.max_batch_tokens, kept_kv_tokens=kept)
 
 
 EMBEDDED = RolloutBackend(

@@ -8,6 +8,10 @@ sequence. The batch asks its `Generator` for new weights before every decode ste
 (`refresh_weights`): when they changed, every row's tokens so far are fed again under them and
 generation goes on (a partial rollout), each token keeping the version that sampled it.
 
+With a prefix cache (`Generator.prefix_cache`, rollout/embedded/prefix_cache.py) a finished
+sequence's keys and values are kept, and a later prompt that starts with a kept sequence (the next
+turn of a multi-turn episode) takes them into its row and prefills only the tokens after it.
+
 A sequence may come with a `prefix`: the partial response of a job continued from a checkpoint
 (or from a snapshot). Its tokens are fed like the prompt's, keep their log-probs and versions,
 and sampling goes on at the next response position with the same per-sequence uniforms, so a
@@ -23,6 +27,7 @@ from typing import Protocol
 import torch
 
 from gspo_megatron.rollout.base import RolloutSample, SamplingParams
+from gspo_megatron.rollout.embedded.prefix_cache import KeptContext, PrefixCache
 from gspo_megatron.rollout.embedded.sampling import sample_tokens, sequence_uniforms
 
 
@@ -35,6 +40,7 @@ class Generator(Protocol):
     route_shape: tuple[int, int]
     weight_version: int
     tracks_versions: bool  # record each token's weight version
+    prefix_cache: PrefixCache | None  # contexts kept between calls (None: off)
 
     def refresh_weights(self) -> bool:
         """Take newer weights if there are any (between two tokens); True when they changed."""
@@ -160,20 +166,73 @@ class GenerationBatch:
             slot += 1
 
     def _prefill(self, length: int) -> torch.Tensor:
-        """Prefill slots [0, length) once per distinct prompt prefix, then copy cache rows."""
+        """Prefill slots [0, length) once per distinct prompt prefix (from where the context
+        kept from earlier calls ends), then copy cache rows."""
         prefix = self.tokens[:, :length]
         keyed = torch.cat([self.start[:, None], prefix], dim=1)
         unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
-        if unique.shape[0] == prefix.shape[0]:
-            return self._forward(prefix, 0)
-        firsts = torch.zeros(unique.shape[0], dtype=torch.long, device=prefix.device)
-        firsts[inverse] = torch.arange(prefix.shape[0], device=prefix.device)
-        self.decoder.select_rows(firsts)
-        logits = self._forward(prefix[firsts], 0)
+        firsts = None
+        if unique.shape[0] < prefix.shape[0]:
+            firsts = torch.zeros(unique.shape[0], dtype=torch.long, device=prefix.device)
+            firsts[inverse] = torch.arange(prefix.shape[0], device=prefix.device)
+            self.decoder.select_rows(firsts)
+        picked = firsts if firsts is not None else self.rows
+        offset = self._reuse_context(picked.tolist(), length)
+        logits = self._forward(prefix[picked, offset:], offset)
+        if firsts is None:
+            return logits
         self.decoder.select_rows(inverse)
         if self.routes is not None:
             self.routes[:, :length] = self.routes[inverse, :length]
         return logits[inverse]
+
+    def _reuse_context(self, picked: list[int], length: int) -> int:
+        """Load the kept context of each prefilled row (row i feeds sequence picked[i]); return
+        the slot the prefill starts at: the first slot any row lacks. Rows ahead of it have the
+        slots up to it loaded, and are fed the rest again (their own tokens)."""
+        cache = self.engine.prefix_cache
+        starts = [int(self.start[row]) for row in picked]
+        if cache is None:
+            return 0
+        counts = cache.counts
+        if not getattr(self.decoder, "keeps_context", False):
+            counts.unsupported += len(picked)
+            counts.prefill_tokens += sum(self.seqs[row].fed for row in picked)
+            return 0
+        version = self.engine.weight_version
+        kept: list[KeptContext | None] = []
+        for row in picked:
+            s = self.seqs[row]
+            fed = s.prompt + (s.prefix.response_ids if s.prefix else [])
+            kept.append(cache.lookup(fed, version))
+        offset = min(start + len(k or ()) for start, k in zip(starts, kept, strict=True))
+        for i, (start, k) in enumerate(zip(starts, kept, strict=True)):
+            loaded = max(0, offset - start)
+            counts.reused_tokens += loaded
+            counts.prefill_tokens += length - max(offset, start)
+            if not loaded:
+                continue
+            self.decoder.write_context(
+                i, start, [t[:, :loaded] for t in k.keys], [t[:, :loaded] for t in k.values]
+            )
+            if self.routes is not None:
+                self.routes[i, start : start + loaded] = k.routes[:loaded]
+        return offset
+
+    def _keep_contexts(self, done: list[int], starts: list[int], tokens, end: int) -> None:
+        """Keep the K/V of finished rows (batch rows `done`; `tokens` their ids up to `end`):
+        every slot from the row's start to the last one fed (end - 2; the last sampled token
+        never was)."""
+        cache = self.engine.prefix_cache
+        if cache is None or not getattr(self.decoder, "keeps_context", False):
+            return
+        for i, (row, start) in enumerate(zip(done, starts, strict=True)):
+            keys, values = self.decoder.read_context(row, start, end - 1 - start)
+            routes = None
+            if self.routes is not None:
+                routes = self.routes[row, start : end - 1].clone()
+            context = KeptContext(tokens[i, start : end - 1].tolist(), keys, values, routes)
+            cache.keep(context, self.engine.weight_version)
 
     def _forward(self, tokens: torch.Tensor, offset: int) -> torch.Tensor:
         """Feed tokens [b, s] at positions offset.. ; return float32 logits [b, vocab]."""
@@ -221,6 +280,7 @@ class GenerationBatch:
         index = torch.stack(
             [self.rows[done], self.start[done], self.first[done], self.stopped[done].long()], 1
         ).tolist()
+        self._keep_contexts(done.tolist(), [row[1] for row in index], tokens, end)
         for i, (seq, start, first, stopped) in enumerate(index):
             s = self.seqs[seq]
             self.results[s.key] = RolloutSample(

@@ -42,6 +42,11 @@ class MegatronDecoder:
 
     name = "megatron"
     left_pad = False  # megatron's static cache gives every row the same positions
+    # At a slot offset > 0 megatron's static inference turns the attention mask off (one token
+    # per step is all it expects past the prompt), so new tokens prefilled after a kept context
+    # would see the ones after them: every prompt is prefilled whole, counted as
+    # rollout/prefix_cache_unsupported.
+    keeps_context = False
 
     def __init__(self, model, vocab_size: int, routes=None) -> None:
         self.model = model

@@ -405,6 +405,8 @@ class ProcessGenerator:
         self.weight_version = -1
         self.weights = None
         self.decoder = TorchDecoder(settings.spec, lambda: self.weights, settings.record_routes)
+        # no context kept between jobs yet: episodes run on the trainer's side in this mode
+        self.prefix_cache = None
         self.swaps = 0
         self.sampled = 0  # tokens sampled by the job running
         # the last snapshot the trainer asked for (a shared counter) and the last one answered

@@ -29,6 +29,18 @@ How a generate call runs
     to the prompt's n samples. Finished rows are dropped from the batch and the cache once a
     quarter of the rows are finished, so early stops do not cost compute.
 
+Context kept between calls (rollout.prefix_cache_tokens; rollout/embedded/prefix_cache.py)
+  * With the torch decoder, the keys and values of every finished sequence (prompt and response
+    but its last token) are kept, keyed by their token ids, within a budget of
+    `prefix_cache_tokens` tokens (least recently used evicted first). A later prompt that starts
+    with a kept sequence (the next turn of a multi-turn episode) reuses them and prefills only
+    the tokens after it; in a batch the prefill starts at the first slot any row lacks. Any
+    weight update drops everything kept, and so does `release_kept_context` (the trainer's
+    rollouts of a step are over: the memory goes back before training).
+  * The megatron decoder cannot reuse K/V (see MegatronDecoder): its prompts are prefilled
+    whole, counted (rollout/prefix_cache_unsupported), and said once when the engine is built.
+  * `metrics` reports the counts since its last call, summed over data-parallel replicas.
+
 Sampling (SGLang's conventions; rollout/embedded/sampling.py) and the reported log-probs
   * temperature 0: greedy (argmax); the log-prob is that of the unprocessed model distribution
     (softmax of the logits), since the point mass actually sampled from would report 0.
@@ -60,6 +72,7 @@ their combinations. Pipeline and context parallelism are refused: use the SGLang
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -76,10 +89,17 @@ from gspo_megatron.rollout.embedded.decoders import (
     megatron_torch_decoder,
     torch_decoder_unsupported,
 )
+from gspo_megatron.rollout.embedded.prefix_cache import (
+    PrefixCache,
+    PrefixCacheCounts,
+    prefix_cache_metrics,
+)
 from gspo_megatron.rollout.embedded.sampling import sequence_seed
 
 if TYPE_CHECKING:
     from gspo_megatron.megatron.training_engine import TrainingEngine
+
+logger = logging.getLogger(__name__)
 
 
 class EmbeddedEngine:
@@ -92,7 +112,8 @@ class EmbeddedEngine:
     (`RolloutSample.routed_experts`, for routing replay R3); `seed` seeds calls made with
     `SamplingParams.seed=None`; `backend` picks the decoder: "auto" (the torch decoder when
     the model is not split and passes the check against GPTModel.forward, else megatron's),
-    "torch" or "megatron". `stats` holds this rank's counts for the last call.
+    "torch" or "megatron"; `prefix_cache_tokens` bounds the context kept between calls (0:
+    none kept; see the module's docstring). `stats` holds this rank's counts for the last call.
     """
 
     generates_on_every_rank = True
@@ -106,6 +127,7 @@ class EmbeddedEngine:
         record_routes: bool = False,
         seed: int = 0,
         backend: str = "auto",
+        prefix_cache_tokens: int = 0,
     ) -> None:
         layout = training_engine.layout
         if layout.pp > 1 or layout.cp > 1:
@@ -116,6 +138,10 @@ class EmbeddedEngine:
             )
         if max_batch_tokens < 1:
             raise ValueError(f"rollout.max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        if prefix_cache_tokens < 0:
+            raise ValueError(
+                f"rollout.prefix_cache_tokens must be >= 0 (0: off), got {prefix_cache_tokens}"
+            )
         if record_routes and training_engine.routes is None:
             raise ValueError("rollout.record_routes needs a MoE policy (the model has no router)")
         self._trainer = training_engine
@@ -142,6 +168,18 @@ class EmbeddedEngine:
         self.stats: dict[str, int] = {}
         self._closed = False
         self.decoder = self._choose_decoder(backend)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        # the cache's counts since `metrics` was last called, summed over replicas
+        self._cache_counts = PrefixCacheCounts()
+        self._cache_held = 0
+        if self.prefix_cache is not None and not self.decoder.keeps_context:
+            logger.warning(
+                "rollout.prefix_cache_tokens=%d: the %s decoder cannot reuse kept keys and "
+                "values; every prompt is prefilled whole (rollout/prefix_cache_unsupported "
+                "counts them)",
+                prefix_cache_tokens,
+                self.decoder.name,
+            )
 
     # -- InProcessRolloutEngine -------------------------------------------------------------
 
@@ -184,20 +222,45 @@ class EmbeddedEngine:
                     for _ in batch.run():
                         self.stats["forwards"] += 1
         local = {key: sample for b in batches for key, sample in b.results.items()}
+        counts, held = self._call_cache_counts()
         if self._dp > 1:
             parts: list = [None] * self._dp
-            dist.all_gather_object(parts, local, group=self._dp_group)
-            local = {k: v for part in parts for k, v in part.items()}
+            dist.all_gather_object(parts, (local, counts, held), group=self._dp_group)
+            local = {k: v for part, _, _ in parts for k, v in part.items()}
+            counts, held = PrefixCacheCounts(), sum(h for _, _, h in parts)
+            for _, part, _ in parts:
+                counts.add(part)
+        self._cache_counts.add(counts)
+        self._cache_held = held
         return [[local[p * n + j] for j in range(n)] for p in range(len(prompts))]
 
     def update_weights(self, source: WeightSource | None, version: int) -> None:
-        """The weights are the trainer's own; only tag later samples with `version`."""
+        """The weights are the trainer's own; only tag later samples with `version`, and drop
+        the context kept (whatever the version: weights restored by a rollback may reuse a
+        number)."""
         if source is not None:
             raise ValueError(
                 "the embedded engine shares the trainer's parameters; call "
                 "update_weights(None, version) (no weight source)"
             )
         self.weight_version = version
+        if self.prefix_cache is not None:
+            self.prefix_cache.invalidate()
+
+    def release_kept_context(self) -> None:
+        """The rollouts are over until the weights change: free the context kept."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            self._cache_held = 0
+
+    def metrics(self) -> dict[str, float]:
+        """rollout/prefix_cache_* counts since the last call, summed over data-parallel
+        replicas (the same on every rank); none without a prefix cache."""
+        if self.prefix_cache is None:
+            return {}
+        # (a weight update's invalidations are taken, and summed, with the next call's counts)
+        counts, self._cache_counts = self._cache_counts, PrefixCacheCounts()
+        return prefix_cache_metrics(counts, self._cache_held)
 
     def refresh_weights(self) -> bool:
         """The weights are the trainer's, which do not change while it generates."""
@@ -207,6 +270,13 @@ class EmbeddedEngine:
         self._closed = True
 
     # -- internals --------------------------------------------------------------------------
+
+    def _call_cache_counts(self) -> tuple[PrefixCacheCounts, int]:
+        """This rank's prefix-cache counts of the call just made, and the tokens it holds."""
+        if self.prefix_cache is None:
+            return PrefixCacheCounts(), 0
+        self.prefix_cache.end_call()
+        return self.prefix_cache.take_counts(), self.prefix_cache.held_tokens
 
     def _run_lockstep(self, batches: list[GenerationBatch]) -> None:
         """Every data-parallel replica runs the same number of forwards (dummy ones when idle)."""

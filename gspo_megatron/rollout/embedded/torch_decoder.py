@@ -77,6 +77,7 @@ class TorchDecoder:
 
     name = "torch"
     left_pad = True  # per-row positions and padding masks: prompts end at the same slot
+    keeps_context = True  # rows' K/V can be read out and written back (prefix_cache.py)
 
     def __init__(
         self,
@@ -106,8 +107,10 @@ class TorchDecoder:
         # the cache lives with the weights (the trainer's device, or the generator process's)
         dtype, device = self.embedding.dtype, self.embedding.device
         shape = (len(starts), self.groups, total, self.head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        # zeros: a prefill after a kept context (offset > 0) leaves padding slots unwritten, and
+        # masked keys still meet their values in the product (0 * a stray NaN is NaN)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.starts = starts.to(device=device, copy=True)
         emb = weights.rope(total).to(device)  # [total, d] fp32
         half = emb.shape[-1] // 2
@@ -131,6 +134,26 @@ class TorchDecoder:
         self.cos_rows = self.cos_rows[index]
         self.sin_rows = self.sin_rows[index]
         self.key_bias = self.key_bias[index]
+
+    def read_context(
+        self, row: int, start: int, length: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row `row`'s keys and values at slots start .. start+length, per layer
+        [kv heads, length, head dim] (keys after RoPE at positions 0 .. length-1)."""
+        end = start + length
+        keys = [k[row, :, start:end].clone() for k in self.keys]
+        return keys, [v[row, :, start:end].clone() for v in self.values]
+
+    def write_context(
+        self, row: int, start: int, keys: list[torch.Tensor], values: list[torch.Tensor]
+    ) -> None:
+        """Put `read_context`'s keys and values into row `row` from slot `start` (the row's
+        first slot: the positions they were rotated with)."""
+        end = start + keys[0].shape[1]
+        for cache, kept in zip(self.keys, keys, strict=True):
+            cache[row, :, start:end] = kept
+        for cache, kept in zip(self.values, values, strict=True):
+            cache[row, :, start:end] = kept
 
     # -- forward --------------------------------------------------------------------------------
 

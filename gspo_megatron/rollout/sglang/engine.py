@@ -240,14 +240,16 @@ class SGLangEngine:
         return self._run(self.pool.due_for_resync())
 
     def fault_metrics(self) -> dict[str, float]:
-        """Counts since the last call (restarts, resubmitted requests, ...) and the number of
-        healthy servers, as rollout/* metrics (the leader's; empty elsewhere)."""
+        """Counts since the last call (restarts, resubmitted requests, ..., the prefix cache's
+        share of the input tokens) and the number of healthy servers, as rollout/* metrics (the
+        leader's; empty elsewhere)."""
         if not self.leader:
             return {}
 
         async def take() -> dict[str, float]:
             out = {f"rollout/{k}": float(v) for k, v in self.pool.take_counters().items()}
             out["rollout/servers_healthy"] = float(len(self.pool.serving()))
+            out.update(self._generation.take_cache_metrics())
             return out
 
         return self._run(take())

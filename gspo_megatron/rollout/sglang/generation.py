@@ -5,6 +5,10 @@ an update aborts the requests in flight and they continue on the new weights). A
 samples in one place (`_Job`): a checkpoint reads them (`snapshot`), and a resumed run's job
 continues them (`start(..., progress=)`: same seeds, the tokens recorded kept).
 
+Prefix cache: every accepted answer's `meta_info.cached_tokens` (the input tokens SGLang's radix
+cache held) is counted against its input tokens (`take_cache_metrics`): a multi-turn episode's
+next turn should find its whole context but the last turn's final token and the observation.
+
 Memory (docs/SGLANG.md, "Server memory"): a request holds its server's memory resident while it
 runs (`MemoryCalls.hold`), and with offload_after_generate a job releases every server it did
 not abandon a request on.
@@ -248,6 +252,9 @@ class Generation:
         # Servers a /generate of the current job was abandoned on (it may still run there until
         # SGLang notices): their memory is not released after the job.
         self._abandoned: set[str] = set()
+        # input tokens of accepted answers, those SGLang's prefix cache held, and the samples
+        # whose server said nothing of it
+        self._cache_counts = dict.fromkeys(("prompt", "cached", "unreported"), 0)
 
     # ---- jobs --------------------------------------------------------------------------------
 
@@ -431,6 +438,7 @@ class Generation:
                 )
                 old = self.versions.older(outs, min_version)
                 if old is None:
+                    self._count_cached(prompts, outs)
                     return outs
                 # Samples of weights older than the job accepts are never used (a server
                 # restarted behind a router, or one that missed an update): fence the server and
@@ -452,6 +460,27 @@ class Generation:
             self.pool.counters["requests_resubmitted"] += 1
             logger.warning("resubmitting %d samples (same seeds) after: %s", len(prompts), error)
         raise AssertionError("unreachable")
+
+    def _count_cached(self, prompts: list[list[int]], outs: list[GenerateOutput]) -> None:
+        counts = self._cache_counts
+        for prompt, out in zip(prompts, outs, strict=True):
+            if out.cached_tokens is None:
+                counts["unreported"] += 1
+            else:
+                counts["prompt"] += len(prompt)
+                counts["cached"] += out.cached_tokens
+
+    def take_cache_metrics(self) -> dict[str, float]:
+        """The prefix cache's share of the input tokens since the last call, as rollout/*
+        metrics (the names the embedded engine's kept context reports); on the loop."""
+        counts, self._cache_counts = self._cache_counts, dict.fromkeys(self._cache_counts, 0)
+        prompt, cached = counts["prompt"], counts["cached"]
+        return {
+            "rollout/prefix_cache_reused_tokens": float(cached),
+            "rollout/prefill_tokens": float(prompt - cached),
+            "rollout/prefix_cache_reused_fraction": cached / prompt if prompt else 0.0,
+            "rollout/prefix_cache_unreported": float(counts["unreported"]),
+        }
 
     async def _acquire_held(self) -> str:
         """A healthy server (the least loaded), holding all its memory until `unhold`: released

@@ -10,7 +10,9 @@ Facts this module relies on (read from sglang 0.5.23's source, `srt/entrypoints/
   `output_ids` and `meta_info` with `finish_reason` ({"type": "stop" | "length" | "abort", ...}),
   `output_token_logprobs` ([logprob, token_id, text] triples) and, when asked and the server was
   started with --enable-return-routed-experts, `routed_experts`: base64 of int32
-  [prompt_len + output_len - 1, num_hidden_layers, top_k].
+  [prompt_len + output_len - 1, num_hidden_layers, top_k]. `meta_info.cached_tokens`: how many
+  of the input_ids the radix cache held (tokenizer_manager.py, from the scheduler's
+  `cached_tokens`), beside `prompt_tokens`.
 - We never use `n` > 1: SGLang expands a batch with n as `input_ids * n` (sample-major order) and
   all n copies share one sampling_seed. One batch entry per sample keeps the order explicit and
   gives every sample its own seed; the radix cache still shares each prompt's prefill.
@@ -86,6 +88,7 @@ class GenerateOutput:
     finish_reason: FinishReason
     weight_version: str | None
     routed_experts: np.ndarray | None
+    cached_tokens: int | None = None  # input tokens the server's prefix cache held (None: unsaid)
 
 
 def sample_seeds(base_seed: int, count: int) -> list[int]:
@@ -273,12 +276,22 @@ def parse_generate_item(
             num_tokens = prompt_len + len(output_ids) - 1
             routed = decode_routed_experts(encoded, num_tokens, layers, top_k, url)
     version = meta.get("weight_version")
+    cached = meta.get("cached_tokens")
+    if cached is not None and (
+        not isinstance(cached, int) or isinstance(cached, bool) or not 0 <= cached <= prompt_len
+    ):
+        raise SGLangProtocolError(
+            f"meta_info.cached_tokens {cached!r} from {url} is not a count within the "
+            f"{prompt_len} input tokens",
+            url,
+        )
     return GenerateOutput(
         output_ids=list(output_ids),
         logprobs=logprobs,
         finish_reason=finish,
         weight_version=None if version is None else str(version),
         routed_experts=routed,
+        cached_tokens=cached,
     )
 
 
