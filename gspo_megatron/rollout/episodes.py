@@ -7,8 +7,9 @@ worker process), so a slow or hung call holds up only its own episode. How turns
 engine:
 
 - An engine that generates on every rank (the embedded engine in the trainer): rounds. Rank 0
-  waits until at least one environment has answered, takes every answer that has arrived and
-  shares them; every rank appends them and generates, as one batch, a turn for every episode
+  waits until at least one environment has answered, then for more answers for up to the last
+  round's generation time (a round costs about as much for one episode as for many), takes
+  every answer that has arrived and shares them; every rank appends them and generates, as one batch, a turn for every episode
   that is due one (at most env.max_concurrent_turns). Answers that arrive while a batch runs
   join the next one. Every rank so holds the same trajectories and calls the engine with the
   same batches. With inline environments the rounds are exactly the turns of a turn-by-turn
@@ -171,6 +172,7 @@ class _Rank0:
         self.envs: dict[int, Any] = {}
         self.failures = _Failures()
         self.waited_s = 0.0  # blocked for an answer with no model turn to run
+        self.out = 0  # calls not answered yet (rounds)
         for i, p in enumerate(prompts):
             self._call(i, "reset", (None, "reset", (p.prompt, p.label)))
 
@@ -179,25 +181,34 @@ class _Rank0:
         self._call(i, "step", (self.envs.get(i), "step", (text,)))
 
     def _call(self, i: int, kind: str, call: tuple) -> None:
+        self.out += 1
         future = self.runner.calls.submit(call)
         future.add_done_callback(lambda f: self.answers.put(("env", i, kind, f.result())))
 
-    def take(self, block: bool, timeout: float | None = None) -> list[tuple]:
-        """The answers that have arrived (the first one waited for when `block`), converted."""
+    def take(self, block: bool, window_s: float = 0.0) -> list[tuple]:
+        """The answers that have arrived, converted. `block`: wait for the first one, then for
+        more while calls are out, until `window_s` after it: a round costs about as much for
+        one episode as for many, so answers that arrive within about one round's time go
+        together instead of each starting a round of its own."""
         items = []
+        started = time.perf_counter()
         if block:
-            started = time.perf_counter()
-            try:
-                items.append(self.answers.get(timeout=timeout))
-            except queue.Empty:
-                return []
-            finally:
-                self.waited_s += time.perf_counter() - started
+            items.append(self.answers.get())
+            self.out -= 1
+            deadline = time.perf_counter() + window_s
+            while self.out > 0 and (left := deadline - time.perf_counter()) > 0:
+                try:
+                    items.append(self.answers.get(timeout=left))
+                except queue.Empty:
+                    break
+                self.out -= 1
+            self.waited_s += time.perf_counter() - started
         while True:
             try:
                 items.append(self.answers.get_nowait())
             except queue.Empty:
                 return [self.convert(item) for item in items]
+            self.out -= 1
 
     def convert(self, item: tuple) -> tuple:
         """("env", i, kind, CallOutcome) -> (i, kind, what every rank appends)."""
@@ -338,20 +349,23 @@ class EpisodeRunner:
     ) -> list[list[RolloutSample]]:
         episodes = [_Episode(list(p.prompt_ids)) for p in flat]
         rank0 = _Rank0(self, flat) if self.ranks.rank == 0 else None
+        round_s = 0.0  # how long the last round generated
         try:
             for round_ in itertools.count():
                 if all(e.finish is not None for e in episodes):
                     break
                 answers = None
                 if rank0 is not None:
-                    answers = rank0.take(block=not any(e.due for e in episodes))
+                    answers = rank0.take(not any(e.due for e in episodes), round_s)
                 for i, kind, answer in self.ranks.broadcast(answers):
                     self._answered(episodes[i], kind, answer)
                 batch = self._due(episodes)
                 if not batch:
                     continue
                 contexts = [episodes[i].context() for i, _ in batch]
+                started = time.perf_counter()
                 groups = rollouts.generate(contexts, 1, _turn_params(params, round_))
+                round_s = time.perf_counter() - started
                 for (i, room), (sample,) in zip(batch, groups, strict=True):
                     episodes[i].add_turn(sample, room)
                     if rank0 is not None and episodes[i].finish is None:

@@ -206,7 +206,9 @@ def test_failing_environment_ends_only_its_episode(name, failure, executor, capl
     assert all(s.episode.failure is None and s.finish_reason == "stop"
                for s in samples if s not in failed)  # fmt: skip
     # the first failure's text, with the environment's name, on both executor paths
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.name == "gspo_megatron.rollout.episodes"
+    ]
     assert f"{__name__}:{name}: {len(failed)} of 8 episodes" in warning
     assert ("RuntimeError: boom" if name == "Raises" else "1 s") in warning
 
@@ -266,7 +268,7 @@ def test_contract_violation_ends_the_episode_named_in_a_warning(name, caplog):
     groups = runner(name).run(ScriptedEngine(5, stop_probability=1.0), prompts(2), 2, STOP)
     records = [s.episode for g in groups for s in g]
     assert all(r.failure == "malformed" for r in records)
-    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    (warning,) = [r for r in caplog.records if r.name == "gspo_megatron.rollout.episodes"]
     assert name in warning.getMessage() and "4 of 4 episodes" in warning.getMessage()
 
 

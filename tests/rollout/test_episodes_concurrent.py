@@ -266,7 +266,9 @@ def test_bad_environments_end_their_episode_with_a_reason_and_a_warning(engine, 
     assert all(s.episode.truncated_observation and s.finish_reason == "length"
                for s in by_kind[3])  # fmt: skip
     assert all(s.episode.failure is None and s.episode.turns == 2 for s in by_kind[4])
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.name == "gspo_megatron.rollout.episodes"
+    ]
     assert f"{__name__}:Bad" in warning and "6 of 10 episodes" in warning
     assert "(2 raised, 2 timed out, 2 malformed answers)" in warning
     assert "tool exploded" in warning or "no answer within" in warning or "must return" in warning
