@@ -3,12 +3,12 @@
     python benchmarks/bench_agentic.py              # 32 episodes, 1-6 turns, medians 20/100/300 ms
     python benchmarks/bench_agentic.py --episodes 64 --median-latency-s 0.05 --repeats 5
 
-The same work both ways, on the embedded engine (tiny_moe, one torch thread): every episode
-has a number of model turns drawn from 1..6 and, after each turn but the last, a tool call
-whose latency is drawn from a heavy tail (log-normal: most calls fast, a few 10-50x the
-median, capped at 20x), an observation of a few token ids, and turns of exactly `--new-tokens` tokens
-(`FixedTurns`), all fixed per episode by the seed, so both ways generate the same tokens in the same
-number of turns.
+The same work both ways, on the embedded engine (tiny_moe, one torch thread): every episode has
+a number of model turns drawn from 1..6 and, after each turn but the last, a tool call whose
+latency is drawn from a heavy tail (log-normal: most calls fast, a few up to 20x the median), an
+observation of a few token ids, and turns of exactly `--new-tokens` tokens (`FixedTurns`), all
+fixed per episode by the seed, so both ways generate the same tokens in the same number of
+turns.
 
 - turn-synchronous: every turn generates for all live episodes in one batch, then calls every
   episode's tool and waits for the slowest before the next turn (the loop this project ran

@@ -67,10 +67,10 @@ class EnvConfig:
     gspo_megatron/envs/calls.py). A raising or hanging call ends its episode with reward 0,
     counted in env/failures and env/timeouts.
     on_tool_error: observe (a malformed or failing tool call gets an "error: ..." observation) |
-    end (it ends the episode with reward 0). max_concurrent_turns: model turns generating at
-    once across the episodes of a batch (episodes go at their own pace: rollout/episodes.py);
-    one batch of the embedded engine holds at most this many, SGLang gets at most this many
-    concurrent requests from one batch of episodes.
+    end (it ends the episode with reward 0). max_concurrent_turns: model turns in flight at once
+    from one batch of episodes on an engine outside the trainer (SGLang's concurrent requests;
+    the generator process's jobs), episodes going at their own pace (rollout/episodes.py); the
+    embedded engine in the trainer batches every due turn (split by engine.max_batch_tokens).
     """
 
     name: str = NO_ENVIRONMENT

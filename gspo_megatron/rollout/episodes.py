@@ -8,12 +8,12 @@ engine:
 
 - An engine that generates on every rank (the embedded engine in the trainer): rounds. Rank 0
   waits until at least one environment has answered, then for more answers for up to the last
-  round's generation time (a round costs about as much for one episode as for many), takes
-  every answer that has arrived and shares them; every rank appends them and generates, as one batch, a turn for every episode
-  that is due one (at most env.max_concurrent_turns). Answers that arrive while a batch runs
-  join the next one. Every rank so holds the same trajectories and calls the engine with the
-  same batches. With inline environments the rounds are exactly the turns of a turn-by-turn
-  loop.
+  round's generation time (a round costs about as much for one episode as for many), takes every
+  answer that has arrived and shares them; every rank appends them and generates, as one batch,
+  a turn for every episode that is due one (the engine splits it by engine.max_batch_tokens).
+  Answers that arrive while a batch runs join the next one. Every rank so holds the same
+  trajectories and calls the engine with the same batches. With inline environments the rounds
+  are exactly the turns of a turn-by-turn loop.
 - An engine outside the trainer (SGLang servers; the generator process of rollout.mode
   one_step_off / async): rank 0 runs the episodes in a thread of its own (`submit`: one future
   for the whole batch, which the driver waits for as for any generate job, and which the
@@ -172,7 +172,7 @@ class _Rank0:
         self.envs: dict[int, Any] = {}
         self.failures = _Failures()
         self.waited_s = 0.0  # blocked for an answer with no model turn to run
-        self.out = 0  # calls not answered yet (rounds)
+        self.out = 0  # calls not answered yet
         for i, p in enumerate(prompts):
             self._call(i, "reset", (None, "reset", (p.prompt, p.label)))
 
@@ -424,6 +424,7 @@ class EpisodeRunner:
                     if waiting_on_env:
                         rank0.waited_s += time.perf_counter() - started
                 if item[0] == "env":
+                    rank0.out -= 1
                     self._answered(episodes[item[1]], *rank0.convert(item)[1:])
                     continue
                 _, job, future = item
@@ -440,9 +441,9 @@ class EpisodeRunner:
     # -- shared ------------------------------------------------------------------------------
 
     def _due(self, episodes: list[_Episode], limit: int | None = None) -> list[tuple[int, int]]:
-        """(episode, room) of the episodes due a model turn, in episode order, at most `limit`
-        (env.max_concurrent_turns); one without room left ends with finish reason "length"."""
-        limit = self.cfg.max_concurrent_turns if limit is None else limit
+        """(episode, room) of the episodes due a model turn, in episode order, at most `limit`;
+        one without room left ends with finish reason "length"."""
+        limit = len(episodes) if limit is None else limit
         batch = []
         for i, e in enumerate(episodes):
             if not e.due or len(batch) >= limit:
