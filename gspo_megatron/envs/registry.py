@@ -70,7 +70,7 @@ class EnvConfig:
     end (it ends the episode with reward 0). max_concurrent_turns: model turns in flight at once
     from one batch of episodes on an engine outside the trainer (SGLang's concurrent requests;
     the generator process's jobs), episodes going at their own pace (rollout/episodes.py); the
-    embedded engine in the trainer batches every due turn (split by engine.max_batch_tokens).
+    embedded engine in the trainer batches every due turn (split by rollout.max_batch_tokens).
     """
 
     name: str = NO_ENVIRONMENT

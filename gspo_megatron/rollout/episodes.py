@@ -10,7 +10,7 @@ engine:
   waits until at least one environment has answered, then for more answers for up to the last
   round's generation time (a round costs about as much for one episode as for many), takes every
   answer that has arrived and shares them; every rank appends them and generates, as one batch,
-  a turn for every episode that is due one (the engine splits it by engine.max_batch_tokens).
+  a turn for every episode that is due one (the engine splits it by rollout.max_batch_tokens).
   Answers that arrive while a batch runs join the next one. Every rank so holds the same
   trajectories and calls the engine with the same batches. With inline environments the rounds
   are exactly the turns of a turn-by-turn loop.
