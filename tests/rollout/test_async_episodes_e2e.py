@@ -1,8 +1,8 @@
-"""Multi-turn episodes under rollout.mode one_step_off / async through `gspo-train` on the
-embedded engine's generator process: the episode loop runs on rank 0 beside the training, every
-turn a job of the generator under the staleness bound; a kill -9 in the middle of the
-asynchronous episodes leaves no generator or environment worker behind, and the resumed run
-records every step once."""
+"""Multi-turn episodes under rollout.mode one_step_off / async through `gspo-train` on the embedded
+engine's generator process and on SGLang (the stand-in): the episode loop runs on rank 0 beside
+the training, every turn a job of the engine under the staleness bound; a kill -9 in the middle
+of the asynchronous episodes leaves no generator or environment worker behind, and the resumed
+run records every step once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from trainer.test_train_e2e import MULTI_TURN, metrics, train
+from trainer.test_train_e2e import MULTI_TURN, _sglang_stand_in, _train_on, metrics, train
 
 # environment calls in worker processes, so that "nothing left behind" covers them too
 EPISODES = (*MULTI_TURN, "env.executor=process", "env.workers=2", "algorithm.routing_replay=r3")
@@ -75,3 +75,22 @@ def test_async_episodes_killed_and_resumed_record_every_step_once(tmp_path):
     assert all(r["env/turns_mean"] > 1 for r in records)
     time.sleep(1)
     assert not _orphans(started)
+
+
+def test_async_episodes_on_sglang(tmp_path):
+    """rollout.mode=async on SGLang (the stand-in, tokens of 10 ms): each turn a /generate
+    request with the whole trajectory, sent while steps train; weight updates abort and continue
+    the requests running; every token within the staleness bound."""
+    fake = _sglang_stand_in()
+    server = fake.start_fake_server(
+        routed_experts=False, vocab_size=80, extra_args=["--token-delay-s", "0.01"]
+    )
+    log = _train_on(
+        server, tmp_path, *MULTI_TURN, "trainer.steps=3", "eval.every=0", "rollout.mode=async",
+        "rollout.max_staleness=1",
+    )  # fmt: skip
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["env/turns_mean"] > 1 for r in records)
+    assert all(r["async/staleness_max"] <= 1 and r["async/dropped_samples"] == 0 for r in records)
+    assert sum(e["path"] == "/generate" for e in log) > 3 * 8  # a request per turn
