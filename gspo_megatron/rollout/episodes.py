@@ -322,6 +322,8 @@ class EpisodeRunner:
         future: concurrent.futures.Future = concurrent.futures.Future()
         cancelled = threading.Event()
         future.cancel_episodes = cancelled.set  # type: ignore[attr-defined]
+        # the driver cancels the future of a batch it gives up on: its episodes stop too
+        future.add_done_callback(lambda f: cancelled.set() if f.cancelled() else None)
         with self._lock:
             self._running.add(cancelled)
 
@@ -332,9 +334,11 @@ class EpisodeRunner:
                     rollouts.engine, flat, params, min_version, urgent, cancelled, stats
                 )
                 future.job_stats = stats  # type: ignore[attr-defined]
-                future.set_result(_grouped(episodes, n))
+                if not future.cancelled():
+                    future.set_result(_grouped(episodes, n))
             except BaseException as e:  # noqa: BLE001 - the driver raises it on every rank
-                future.set_exception(e)
+                if not future.cancelled():
+                    future.set_exception(e)
             finally:
                 with self._lock:
                     self._running.discard(cancelled)

@@ -349,8 +349,11 @@ def test_an_abandoned_batch_of_episodes_stops():
     submitted.job.cancel_episodes()
     with pytest.raises(concurrent.futures.CancelledError):
         submitted.job.result(timeout=30)
-    episodes.close()
+    # as the driver gives up on a batch: cancelling its future stops its episodes too
+    other = episodes.submit(driver(ServerEngine(0.05)), prompts(8), 2, STOP, min_version=0)
+    assert other.job.cancel()
     deadline = time.monotonic() + 10
     while any(t.name == "episodes" for t in threading.enumerate()):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    episodes.close()
