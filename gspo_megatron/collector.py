@@ -142,6 +142,7 @@ class RolloutCollector:
                 max_staleness=settings.max_staleness,
                 group_size=settings.group_size,
                 params_for=lambda step: self.sampling_params(step, 0),
+                episodes=episodes,
             )
 
     @classmethod
@@ -180,11 +181,11 @@ class RolloutCollector:
     ) -> list[list[RolloutSample]]:
         """`n` responses per prompt, or `n` episodes with an environment, on every rank. `now`:
         with the current weights, before any batch generated ahead (the evaluation's)."""
-        if self.episodes is not None:
-            return self.episodes.run(self.driver, list(prompts), n, params)
         ahead = {}
         if now and self.pipeline is not None:
             ahead = {"min_version": self.driver.version, "urgent": True}
+        if self.episodes is not None:
+            return self.episodes.run(self.driver, list(prompts), n, params, **ahead)
         return self.driver.generate([p.prompt_ids for p in prompts], n, params, **ahead)
 
     def response_text(self, sample: RolloutSample) -> str:
@@ -477,6 +478,7 @@ def _episode_metrics(flat: Sequence[RolloutSample], rewards: list[float]) -> dic
         "env/tool_errors": float(sum(r.tool_errors for r in records)),
         "env/failures": float(sum(r.failure == "error" for r in records)),
         "env/timeouts": float(sum(r.failure == "timeout" for r in records)),
+        "env/malformed": float(sum(r.failure == "malformed" for r in records)),
         "env/ended_by_tool_error": float(sum(r.failure == "tool_error" for r in records)),
         "env/truncated_observations": float(sum(r.truncated_observation for r in records)),
         "env/model_token_fraction": sum(sum(s.loss_mask or ()) for s in flat)

@@ -752,12 +752,6 @@ def _check_room_for_the_end_token(cfg: RunConfig) -> None:
 
 def _check_rollout_mode(cfg: RunConfig) -> None:
     rollout, mode = cfg.rollout, cfg.rollout.mode
-    if mode != "sync" and cfg.env.enabled:
-        raise ConfigError(
-            f"env.name={cfg.env.name} with rollout.mode={mode}: multi-turn episodes are "
-            "generated turn by turn on the trainer's side (rank 0 steps the environments), "
-            "which the batches generated ahead do not do; use rollout.mode=sync"
-        )
     if mode != "async" and rollout.pin_versions:
         raise ConfigError(
             f"rollout.pin_versions with rollout.mode={mode}: only async mode takes new weights "

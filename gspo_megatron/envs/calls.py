@@ -7,25 +7,28 @@ environment (it holds the episode's state) and the method's result. Where calls 
 
 - `inline`: in the trainer's thread, no timeout (classes that declare `inline_safe`: bounded
   pure-Python work).
-- `thread`: every call of a turn in a daemon thread of its own, all started together and waited
-  for until `timeout_s` after the start. Python cannot stop a thread: a call still running then
-  is abandoned (counted in env/timeouts) and may keep a core busy.
+- `thread`: every call in a daemon thread of its own, answered "timeout" `timeout_s` after it
+  started. Python cannot stop a thread: a call still running then is abandoned (counted in
+  env/timeouts) and may keep a core busy.
 - `process` (default for classes that are not inline_safe): a pool of `env.workers` worker
   processes (gspo_megatron/isolation, as reward.executor=process). The environment travels
   pickled with each call, so its state must pickle and its class be importable by reference; a
   worker past the timeout is killed and replaced, so a hung call costs exactly `timeout_s`.
 
-A call that raises or runs past the timeout ends its episode only (reward 0, counted).
+`submit` starts one call and returns a future of its `CallOutcome` at once, so each episode
+calls its environment when it needs to (rollout/episodes.py) and a slow call holds up only its
+own episode; `run` is `submit` for many calls, waited for together. A call that raises or runs
+past the timeout ends its episode only (reward 0, counted).
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
+import contextlib
 import functools
 import logging
 import pickle
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -73,13 +76,21 @@ class EnvCalls:
         self.workers = workers
         self._loop: LoopThread | None = None
         self._pool: ProcessPool | None = None
+        self._starting = threading.Lock()  # episodes of several batches call at once
 
     def run(self, calls: Sequence[Call]) -> list[CallOutcome]:
+        futures = [self.submit(call) for call in calls]
+        return [f.result() for f in futures]
+
+    def submit(self, call: Call) -> concurrent.futures.Future:
+        """Start `call`; the future gives its CallOutcome (never an exception)."""
         if self.executor == "inline":
-            return [self._inline(env, method, args) for env, method, args in calls]
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(self._inline(*call))
+            return done
         if self.executor == "process":
-            return self._in_processes(calls)
-        return self._in_threads(calls)
+            return self._in_process(call)
+        return self._in_thread(call)
 
     def close(self) -> None:
         if self._loop is not None:
@@ -95,41 +106,44 @@ class EnvCalls:
             logger.debug("environment call failed", exc_info=True)
             return CallOutcome("error", error=f"{type(e).__name__}: {e}")
 
-    def _in_threads(self, calls: Sequence[Call]) -> list[CallOutcome]:
-        outcomes: list[CallOutcome | None] = [None] * len(calls)
+    def _in_thread(self, call: Call) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
 
-        def target(i: int, call: Call) -> None:
-            outcomes[i] = self._inline(*call)
+        def answer(outcome: CallOutcome) -> None:
+            # the first of the call and its timeout answers
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_result(outcome)
 
-        threads = [
-            threading.Thread(target=target, args=(i, call), daemon=True, name=f"env-call-{i}")
-            for i, call in enumerate(calls)
-        ]
-        deadline = time.monotonic() + self.timeout_s
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        done = []
-        for t, outcome in zip(threads, outcomes, strict=True):
-            if t.is_alive() or outcome is None:
-                outcome = CallOutcome("timeout", error=f"no answer within {self.timeout_s:g} s")
-            done.append(outcome)
-        return done
+        timeout = CallOutcome("timeout", error=f"no answer within {self.timeout_s:g} s")
+        timer = threading.Timer(self.timeout_s, answer, (timeout,))
+        timer.daemon = True
+        thread = threading.Thread(
+            target=lambda: answer(self._inline(*call)), daemon=True, name="env-call"
+        )
+        timer.start()
+        thread.start()
+        future.add_done_callback(lambda _: timer.cancel())
+        return future
 
-    def _in_processes(self, calls: Sequence[Call]) -> list[CallOutcome]:
-        if self._loop is None:
-            self._loop = LoopThread("env-loop")
-            # The class travels with the function, so a worker imports its module while it
-            # starts, not within a call's timeout.
-            fn = functools.partial(env_call, factory=self.factory, pickled=True)
-            self._pool = ProcessPool(pickle.dumps(fn), self.workers, 120.0, _PROCESS_HINT)
-        pool = self._pool
+    def _in_process(self, call: Call) -> concurrent.futures.Future:
+        with self._starting:
+            if self._loop is None:
+                self._loop = LoopThread("env-loop")
+                # The class travels with the function, so a worker imports its module while
+                # it starts, not within a call's timeout.
+                fn = functools.partial(env_call, factory=self.factory, pickled=True)
+                self._pool = ProcessPool(pickle.dumps(fn), self.workers, 120.0, _PROCESS_HINT)
+        env, method, args = call
+        outcome: concurrent.futures.Future = concurrent.futures.Future()
 
-        async def all_calls() -> list:
-            return await asyncio.gather(
-                *(pool.call((env, method, args), self.timeout_s) for env, method, args in calls)
-            )
+        def done(job: concurrent.futures.Future) -> None:
+            try:
+                status, value, error = job.result()
+            except BaseException as e:  # noqa: BLE001 - the pool closed under the call
+                status, value, error = "error", None, f"{type(e).__name__}: {e}"
+            outcome.set_result(CallOutcome(status, value, error))
 
-        outcomes = self._loop.run(all_calls())
-        return [CallOutcome(status, value, error) for status, value, error in outcomes]
+        self._loop.submit(self._pool.call((env, method, args), self.timeout_s)).add_done_callback(
+            done
+        )
+        return outcome

@@ -67,7 +67,10 @@ class EnvConfig:
     gspo_megatron/envs/calls.py). A raising or hanging call ends its episode with reward 0,
     counted in env/failures and env/timeouts.
     on_tool_error: observe (a malformed or failing tool call gets an "error: ..." observation) |
-    end (it ends the episode with reward 0).
+    end (it ends the episode with reward 0). max_concurrent_turns: model turns in flight at once
+    from one batch of episodes on an engine outside the trainer (SGLang's concurrent requests;
+    the generator process's jobs), episodes going at their own pace (rollout/episodes.py); the
+    embedded engine in the trainer batches every due turn (split by rollout.max_batch_tokens).
     """
 
     name: str = NO_ENVIRONMENT
@@ -78,6 +81,7 @@ class EnvConfig:
     executor: str = choice("auto", "inline", "thread", "process")
     workers: int = bounded(4, ge=1)
     on_tool_error: str = choice("observe", "end")
+    max_concurrent_turns: int = bounded(256, ge=1, le=65536)
 
     @property
     def enabled(self) -> bool:

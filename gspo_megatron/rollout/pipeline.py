@@ -13,6 +13,12 @@ before the oldest batch still in flight and the batches in flight with what the 
 generated of them (`in_flight`, rollout/inflight.py); a resumed run draws those prompts again
 and continues each batch from its record (`restore`): complete samples are kept, partial ones
 go on from their tokens, so nothing generated before the checkpoint is generated again.
+
+With an environment (`episodes`), each batch is a batch of episodes run by rank 0's episode
+thread (rollout/episodes.py: every turn a job of the engine under the batch's `min_version`).
+A checkpoint records such a batch as not started: an environment's state is not in the
+checkpoint, so a resumed run generates the batch's episodes again from their first turn
+(their `async/restored_tokens` is 0).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.sampler import PromptSampler
@@ -28,6 +35,9 @@ from gspo_megatron.ranks import Ranks
 from gspo_megatron.rollout.base import JobProgress, RolloutSample, SamplingParams
 from gspo_megatron.rollout.driver import RolloutDriver, Submitted
 from gspo_megatron.rollout.inflight import InFlightBatch
+
+if TYPE_CHECKING:
+    from gspo_megatron.rollout.episodes import EpisodeRunner
 
 
 @dataclass
@@ -50,6 +60,7 @@ class RolloutPipeline:
         max_staleness: int,
         group_size: int,
         params_for: Callable[[int], SamplingParams],
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"a rollout pipeline needs depth >= 1, got {depth}")
@@ -60,6 +71,7 @@ class RolloutPipeline:
         self.max_staleness = max_staleness
         self.group_size = group_size
         self.params_for = params_for
+        self.episodes = episodes
         self.ahead: deque[_Ahead] = deque()
 
     def take(self, step: int) -> tuple[list[Prompt], list[list[RolloutSample]], dict[str, float]]:
@@ -99,13 +111,20 @@ class RolloutPipeline:
 
     def abandon(self) -> None:
         """Forget the batches in flight (their results are never used)."""
+        for a in self.ahead:
+            stop = getattr(a.submitted.job, "cancel_episodes", None)
+            if stop is not None:
+                stop()
         self.ahead.clear()
 
     def in_flight(self) -> list[InFlightBatch]:
         """The batches in flight with what the engine has generated of them (rank 0's
         progress; the other ranks' batches hold none), for a checkpoint. Collective."""
         entries = list(self.ahead)
-        progress = self.driver.snapshot([a.submitted for a in entries])
+        if self.episodes is not None:  # recorded as not started (the module's docstring)
+            progress = None
+        else:
+            progress = self.driver.snapshot([a.submitted for a in entries])
         out = []
         for i, a in enumerate(entries):
             prompts = [p.prompt_ids for p in a.prompts]
@@ -129,7 +148,9 @@ class RolloutPipeline:
                 self.sampler.load_state_dict(drawn[0][0])
             return problem
         for i, (step, (before, prompts)) in enumerate(zip(steps, drawn, strict=True)):
-            progress = None if batches is None else self._within_bound(batches[i])
+            progress = None
+            if batches is not None and self.episodes is None:
+                progress = self._within_bound(batches[i])
             self._submit_drawn(step, prompts, before, progress)
         return None
 
@@ -169,12 +190,19 @@ class RolloutPipeline:
     def _submit_drawn(
         self, step: int, prompts: list[Prompt], before: dict, progress: JobProgress | None
     ) -> None:
-        submitted = self.driver.submit(
-            [p.prompt_ids for p in prompts],
-            self.group_size,
-            self.params_for(step),
-            min_version=max(step - self.max_staleness, 0),
-            progress=progress,
-        )
+        min_version = max(step - self.max_staleness, 0)
+        if self.episodes is not None:
+            submitted = self.episodes.submit(
+                self.driver, prompts, self.group_size, self.params_for(step),
+                min_version=min_version,
+            )  # fmt: skip
+        else:
+            submitted = self.driver.submit(
+                [p.prompt_ids for p in prompts],
+                self.group_size,
+                self.params_for(step),
+                min_version=min_version,
+                progress=progress,
+            )
         restored = progress.tokens() if progress is not None else 0
         self.ahead.append(_Ahead(step, prompts, submitted, before, restored))

@@ -13,7 +13,7 @@ import pytest
 
 from gspo_megatron.data.dataset import Prompt
 from gspo_megatron.data.tokenizer import build_tool_char_tokenizer
-from gspo_megatron.envs import Environment, EnvironmentContractError, StepResult
+from gspo_megatron.envs import Environment, StepResult
 from gspo_megatron.envs.registry import EnvConfig
 from gspo_megatron.ranks import SingleRank
 from gspo_megatron.rollout.base import RolloutSample, SamplingParams
@@ -189,7 +189,7 @@ class Hangs(Environment):
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
 @pytest.mark.parametrize(("name", "failure"), [("Raises", "error"), ("Hangs", "timeout")])
-def test_failing_environment_ends_only_its_episode(name, failure, executor):
+def test_failing_environment_ends_only_its_episode(name, failure, executor, caplog):
     engine = ScriptedEngine(4, stop_probability=1.0)
     Hangs.release = threading.Event()
     episodes = runner(name, timeout_s=1.0, executor=executor, workers=2)
@@ -205,6 +205,12 @@ def test_failing_environment_ends_only_its_episode(name, failure, executor):
     assert all("3" in TOKENIZER.decode(s.response_ids) for s in failed)
     assert all(s.episode.failure is None and s.finish_reason == "stop"
                for s in samples if s not in failed)  # fmt: skip
+    # the first failure's text, with the environment's name, on both executor paths
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.name == "gspo_megatron.rollout.episodes"
+    ]
+    assert f"{__name__}:{name}: {len(failed)} of 8 episodes" in warning
+    assert ("RuntimeError: boom" if name == "Raises" else "1 s") in warning
 
 
 class Counts(Environment):
@@ -250,10 +256,20 @@ class EmptyReset(BadReset):
         return []
 
 
-@pytest.mark.parametrize("name", ["BadObservation", "BadReset", "EmptyReset"])
-def test_contract_violation_names_the_class(name):
-    with pytest.raises(EnvironmentContractError, match=name):
-        runner(name).run(ScriptedEngine(5, stop_probability=1.0), prompts(2), 2, STOP)
+class NanReward(Environment):
+    inline_safe = True
+
+    def step(self, turn):
+        return StepResult(done=True, reward=float("nan"))
+
+
+@pytest.mark.parametrize("name", ["BadObservation", "BadReset", "EmptyReset", "NanReward"])
+def test_contract_violation_ends_the_episode_named_in_a_warning(name, caplog):
+    groups = runner(name).run(ScriptedEngine(5, stop_probability=1.0), prompts(2), 2, STOP)
+    records = [s.episode for g in groups for s in g]
+    assert all(r.failure == "malformed" for r in records)
+    (warning,) = [r for r in caplog.records if r.name == "gspo_megatron.rollout.episodes"]
+    assert name in warning.getMessage() and "4 of 4 episodes" in warning.getMessage()
 
 
 class FailsToBuild(Environment):

@@ -38,11 +38,6 @@ def resolved(*overrides: str):
          "sequence-ratio loss has one term per sequence"),
         (["engine.max_sequence_length=128", "engine.max_tokens_per_microbatch=100"],
          "engine.max_tokens_per_microbatch=100 is below engine.max_sequence_length=128"),
-        (["env=calculator", "rollout.mode=async"],
-         "env.name=calculator with rollout.mode=async: multi-turn episodes are generated turn by "
-         "turn"),
-        (["env=calculator", "rollout.mode=one_step_off"],
-         "env.name=calculator with rollout.mode=one_step_off"),
         (["env.name=nope"], "unknown env.name='nope'"),
         (["rollout.max_new_tokens=3"],
          "rollout.max_new_tokens=3 leaves no room for the end token after data.task=copy's "
@@ -62,7 +57,7 @@ def resolved(*overrides: str):
     ],
     ids=["coef-without-type", "type-without-coef", "dense", "sinkhorn", "moved-key",
          "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget",
-         "env-async", "env-one-step-off", "env-unknown", "no-room-for-the-end-token",
+         "env-unknown", "no-room-for-the-end-token",
          "no-room-for-the-end-token-in-evaluation", "code-task-without-code-reward",
          "code-reward-without-code-task", "no-room-for-the-end-token-in-code"],
 )  # fmt: skip
@@ -126,6 +121,12 @@ def test_lora_resolves_on_moe_and_dense_models():
 def test_the_code_experiment_resolves():
     cfg, _, _ = resolve(compose(["+experiment=code_cpu"]), 1)
     assert (cfg.data.task, cfg.reward.name, cfg.model.tokenizer) == ("expr", "code", "char_expr")
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_environments_resolve_with_batches_generated_ahead(mode):
+    cfg, _, _ = resolve(compose(["+experiment=calculator_cpu", f"rollout.mode={mode}"]), 1)
+    assert (cfg.env.name, cfg.rollout.mode) == ("calculator", mode)
 
 
 def test_environment_kwargs_checked_against_the_class():

@@ -123,6 +123,9 @@ class GeneratorProcessEngine:
 
     generates_on_every_rank = False
     resync_poll_s = 1.0
+    # Jobs run one after the other: an episode batch (rollout/episodes.py) sends the turns that
+    # become due while a job runs as one next job, not as many small ones.
+    runs_one_job_at_a_time = True
 
     def __init__(
         self,

@@ -1,0 +1,196 @@
+"""Agentic episodes: turn-synchronous vs each episode at its own pace, side by side.
+
+    python benchmarks/bench_agentic.py              # 32 episodes, 1-6 turns, medians 20/100/300 ms
+    python benchmarks/bench_agentic.py --episodes 64 --median-latency-s 0.05 --repeats 5
+
+The same work both ways, on the embedded engine (tiny_moe, one torch thread): every episode has
+a number of model turns drawn from 1..6 and, after each turn but the last, a tool call whose
+latency is drawn from a heavy tail (log-normal: most calls fast, a few up to 20x the median), an
+observation of a few token ids, and turns of exactly `--new-tokens` tokens (`FixedTurns`), all
+fixed per episode by the seed, so both ways generate the same tokens in the same number of
+turns.
+
+- turn-synchronous: every turn generates for all live episodes in one batch, then calls every
+  episode's tool and waits for the slowest before the next turn (the loop this project ran
+  before episodes went at their own pace);
+- per-episode: gspo_megatron.rollout.episodes.EpisodeRunner (rank 0 shares the answers that
+  have arrived; one batch of the episodes due a turn; answers arriving during a batch join the
+  next).
+
+Rounds alternate the two orders, so drift of the shared machine hits both alike; the table
+reports, for each median tool latency, medians of episodes per second and their ratio (goal
+>= 1.5x on 2 cores; the engine's rounds cost about as much for one episode as for many, so with
+tools much faster than a round the turn-synchronous batches win), and the
+prefill tokens: what an engine that re-prefills each turn's whole context processes, next to
+the new tokens of each turn (the prompt, or the last turn and observation), which is all an
+engine that keeps each episode's KV cache between turns has to prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_rollout import build_embedded  # noqa: E402
+
+from gspo_megatron.envs import Environment, StepResult  # noqa: E402
+
+
+class Tool(Environment):
+    """Turns and tool latencies fixed by the episode's label: a heavy-tailed latency per call."""
+
+    median_latency_s = 0.02  # set from --median-latency-s
+    observation = [5, 6, 7, 8, 9, 10]
+
+    def reset(self, prompt, label=None):
+        rng = random.Random(label)
+        self.turns = rng.randint(1, 6)
+        self.latencies = [
+            min(self.median_latency_s * rng.lognormvariate(0.0, 1.5), 20 * self.median_latency_s)
+            for _ in range(self.turns - 1)
+        ]
+        self.done = 0
+
+    def step(self, turn):
+        self.done += 1
+        if self.done == self.turns:
+            return StepResult(done=True)
+        time.sleep(self.latencies[self.done - 1])
+        return StepResult(observation=self.observation, tool_calls=1)
+
+
+class FixedTurns:
+    """The engine, with every turn ending after exactly `max_new_tokens` tokens as if the model
+    had ended it there (finish reason "stop": a random model rarely samples its end token)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def generate(self, prompts, n, params):
+        groups = self.engine.generate(prompts, n, params)
+        for s in (s for g in groups for s in g):
+            s.finish_reason = "stop"
+        return groups
+
+
+def turn_synchronous(runner, engine, prompts, params):
+    """The turn-by-turn loop: one batch per turn over the live episodes, then every tool call
+    of the turn, waited for together. Returns the trajectories and the prefill counts."""
+    calls = runner.calls
+    envs = [env for env, _ in (o.value for o in calls.run([(None, "reset", (p.prompt, p.label))
+                                                           for p in prompts]))]  # fmt: skip
+    contexts = [list(p.prompt_ids) for p in prompts]
+    live = list(range(len(prompts)))
+    whole = new = 0
+    last = [len(c) for c in contexts]
+    while live:
+        batch = [contexts[i] for i in live]
+        whole += sum(len(c) for c in batch)
+        new += sum(len(contexts[i]) - (0 if len(contexts[i]) == last[i] else last[i])
+                   for i in live)  # fmt: skip
+        for i, (sample,) in zip(live, engine.generate(batch, 1, params), strict=True):
+            contexts[i] = contexts[i] + sample.response_ids
+            last[i] = len(contexts[i]) - len(sample.response_ids)
+        outcomes = calls.run([(envs[i], "step", ("",)) for i in live])
+        going = []
+        for i, outcome in zip(live, outcomes, strict=True):
+            envs[i], result = outcome.value
+            if not result.done:
+                last[i] = len(contexts[i]) - len(sample.response_ids)
+                contexts[i] = contexts[i] + list(result.observation)
+                going.append(i)
+        live = going
+    return contexts, whole, new
+
+
+def prefill_counts(groups) -> tuple[int, int]:
+    """(whole contexts, new tokens) prefilled over an episode batch's turns."""
+    whole = new = 0
+    for s in (s for g in groups for s in g):
+        starts = [0] + [j for j in range(1, len(s.loss_mask)) if s.loss_mask[j] and not
+                        s.loss_mask[j - 1]]  # fmt: skip
+        previous = 0
+        for start in starts:
+            context = len(s.prompt_ids) + start
+            whole += context
+            new += context - previous
+            previous = context
+    return whole, new
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--episodes", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=12)
+    ap.add_argument("--median-latency-s", type=float, nargs="+", default=[0.02, 0.1, 0.3])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from gspo_megatron.data.dataset import Prompt
+    from gspo_megatron.data.tokenizer import build_char_tokenizer
+    from gspo_megatron.envs.registry import EnvConfig
+    from gspo_megatron.ranks import SingleRank
+    from gspo_megatron.rollout.base import SamplingParams
+    from gspo_megatron.rollout.episodes import EpisodeRunner
+
+    config, engine = build_embedded("tiny_moe", batch_tokens=1 << 16)
+    engine = FixedTurns(engine)
+    tokenizer = build_char_tokenizer()
+    rng = random.Random(0)
+    prompts = []
+    for i in range(args.episodes):
+        a, b = rng.randint(10, 999), rng.randint(10, 999)
+        ids = tokenizer.encode(f"{a}+{b}=", add_special_tokens=False)
+        prompts.append(Prompt(i, ids, f"{a}+{b}=", f"episode {i}"))
+    cfg = EnvConfig(name="__main__:Tool", max_turns=6, max_tokens=6 * (args.new_tokens + 8),
+                    executor="thread", timeout_s=60.0)  # fmt: skip
+    runner = EpisodeRunner(cfg, tokenizer, SingleRank(), config.max_position_embeddings)
+    params = SamplingParams(max_new_tokens=args.new_tokens, seed=1)
+    turns = sum(random.Random(p.label).randint(1, 6) for p in prompts)
+
+    def per_episode():
+        groups = runner.run(engine, prompts, 1, params)
+        assert sum(s.episode.turns for g in groups for s in g) == turns
+        return prefill_counts(groups)
+
+    def synchronous():
+        _, whole, new = turn_synchronous(runner, engine, prompts, params)
+        return whole, new
+
+    ways = [("turn-synchronous", synchronous), ("per-episode", per_episode)]
+    per_episode()  # warm-up (kernels, threads)
+    print(f"{args.episodes} episodes, {turns} model turns of {args.new_tokens} tokens, tool "
+          f"latency log-normal (sigma 1.5, capped at 20x the median), {args.repeats} rounds "
+          f"each, torch threads {args.threads}")  # fmt: skip
+    print(f"{'median tool latency':>20} {'turn-sync ep/s':>15} {'per-episode ep/s':>17} "
+          f"{'ratio':>6} {'prefill: whole ctx':>19} {'new tokens only':>16}")  # fmt: skip
+    for latency in args.median_latency_s:
+        Tool.median_latency_s = latency
+        timings = {"turn-synchronous": [], "per-episode": []}
+        prefill = {}
+        for r in range(args.repeats):
+            for name, fn in ways if r % 2 == 0 else ways[::-1]:
+                started = time.perf_counter()
+                prefill[name] = fn()
+                timings[name].append(time.perf_counter() - started)
+        assert prefill["per-episode"] == prefill["turn-synchronous"]  # the same work
+        rate = {name: args.episodes / statistics.median(t) for name, t in timings.items()}
+        ratio = rate["per-episode"] / rate["turn-synchronous"]
+        whole, new = prefill["per-episode"]
+        print(f"{latency * 1e3:17g} ms {rate['turn-synchronous']:15.2f} "
+              f"{rate['per-episode']:17.2f} {ratio:5.2f}x {whole:19d} {new:16d}")  # fmt: skip
+    runner.close()
+
+
+if __name__ == "__main__":
+    main()
