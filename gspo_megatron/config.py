@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_megatron import CONF_DIR
-from gspo_megatron.config_fields import ConfigError, bounded, check_fields, choice
+from gspo_megatron.config_fields import (
+    ConfigError,
+    bounded,
+    check_fields,
+    choice,
+    open_mapping,
+)
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.data.tokenizer import CHAR_TOKENIZER_NAMES
 from gspo_megatron.envs.registry import EnvConfig
@@ -106,7 +112,7 @@ class AlgorithmSection:
     """
 
     loss: str = "gspo"
-    hparams: dict[str, Any] = field(default_factory=dict)
+    hparams: dict[str, Any] = open_mapping()
     advantage: str | None = choice(None, "group_mean_std", "group_mean", "gae")
     advantage_eps: float = bounded(1e-6, ge=0)
     gamma: float = bounded(1.0, ge=0, le=1)
@@ -451,7 +457,8 @@ def register_schema() -> None:
     starts from (call before composing). The model section is a plain mapping there: its keys
     are a preset's ModelConfig fields, checked by `resolve`; so are mappings of sections
     (eval.benchmarks), so that a new entry can be given whole on the command line, and the
-    sections marked `open_in_hydra` (rollout.sglang)."""
+    sections marked `open_in_hydra` (rollout.sglang). The `open_mapping` fields (env.kwargs,
+    algorithm.hparams) take new keys without `+`."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="gspo_config", node=_hydra_schema(RunConfig))
@@ -473,6 +480,10 @@ def _hydra_schema(cls) -> type:
             or (typing.get_origin(hint) is dict and args and dataclasses.is_dataclass(args[1]))
         ):
             fields.append((f.name, dict[str, Any], field(default_factory=dict, metadata=_MAPPING)))
+        elif f.metadata.get("open_keys"):
+            fields.append(
+                (f.name, Any, field(default_factory=_open_dict_config, metadata=f.metadata))
+            )
         elif dataclasses.is_dataclass(hint) and (schema := _hydra_schema(hint)) is not hint:
             fields.append((f.name, schema, field(default_factory=_as_schema(f, schema))))
         else:
@@ -482,6 +493,24 @@ def _hydra_schema(cls) -> type:
     return dataclasses.make_dataclass(cls.__name__, fields)
 
 
+def _open_dict_config(content: dict | None = None):
+    """A mapping that stays open when Hydra makes the config struct: its owner checks its keys
+    (`open_mapping`), so `env.kwargs.max_guesses=8` needs no `+`."""
+    from omegaconf import DictConfig
+
+    return DictConfig(content or {}, flags={"struct": False})
+
+
+def _schema_default(f: dataclasses.Field, value: Any) -> Any:
+    """A schema field's value from its section's default: mappings empty (their content comes
+    from the presets), open mappings open."""
+    if f.metadata.get("mapping"):
+        return {}
+    if f.metadata.get("open_keys"):
+        return _open_dict_config(value)
+    return value
+
+
 def _as_schema(f: dataclasses.Field, schema: type):
     """A default factory of `schema` holding the values of field `f`'s default."""
 
@@ -489,7 +518,7 @@ def _as_schema(f: dataclasses.Field, schema: type):
         default = f.default_factory()
         return schema(
             **{
-                g.name: {} if g.metadata.get("mapping") else getattr(default, g.name)
+                g.name: _schema_default(g, getattr(default, g.name))
                 for g in dataclasses.fields(schema)
             }
         )
