@@ -93,6 +93,12 @@ class AlgorithmSection:
     per-token rewards (the reward at the last model token, minus kl_reward_coef x the
     kl_estimator's per-token KL to the initial policy), with gamma and lam, the advantages
     whitened over the batch when whiten_advantages.
+    credit: episode | turn. episode: one advantage per response (an episode's step rewards
+    summed into its reward). turn (multi-turn episodes, env.name): each model turn's
+    discounted return (turn_gamma per turn) against the group's episodes at the same turn
+    index, given to the turn's tokens (algorithms/advantages.py; docs/ENVIRONMENTS.md,
+    "Per-turn credit"); needs a loss that takes token advantages (gspo_token, not gspo); with
+    advantage=gae each turn's reward lands on its last token and GAE discounts per token.
     num_minibatches: optimizer steps per rollout batch (the GSPO paper uses 4).
     old_logprobs: recompute (trainer forward) | rollout (the rollout engine's log-probs).
     routing_replay: off | r2 (replay the old-policy forward's routes) | r3 (the rollout
@@ -118,6 +124,8 @@ class AlgorithmSection:
     gamma: float = bounded(1.0, ge=0, le=1)
     lam: float = bounded(0.95, ge=0, le=1)
     whiten_advantages: bool = True
+    credit: str = choice("episode", "turn")
+    turn_gamma: float = bounded(1.0, ge=0, le=1)
     kl_reward_coef: float = bounded(0.0, ge=0)
     num_minibatches: int = bounded(4, ge=1)
     old_logprobs: str = choice("recompute", "rollout")
@@ -714,6 +722,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
     _check_task_labels(cfg)
     _check_room_for_the_end_token(cfg)
     _check_critic(cfg)
+    _check_credit(cfg)
     _check_lora(cfg, model)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
@@ -872,6 +881,38 @@ def _check_critic(cfg: RunConfig) -> None:
         raise ConfigError(
             f"critic.optimizer.min_lr={critic.optimizer.min_lr:g} must not exceed "
             f"critic.optimizer.lr={critic.optimizer.lr:g}"
+        )
+
+
+def _check_credit(cfg: RunConfig) -> None:
+    """Per-turn credit: multi-turn episodes, a loss with token advantages, one discount."""
+    from gspo_megatron.algorithms.losses import POLICY_LOSSES
+
+    alg = cfg.algorithm
+    if alg.credit == "episode":
+        if alg.turn_gamma != AlgorithmSection.turn_gamma:
+            raise ConfigError(
+                f"algorithm.turn_gamma={alg.turn_gamma:g} is set but only algorithm.credit=turn "
+                "reads it"
+            )
+        return
+    if not cfg.env.enabled:
+        raise ConfigError(
+            "algorithm.credit=turn needs multi-turn episodes (env.name): a single-turn response "
+            "has one turn, whose credit is the episode's"
+        )
+    if POLICY_LOSSES[alg.loss].sequence_advantages:
+        raise ConfigError(
+            f"algorithm.credit=turn gives the turns of an episode different advantages; "
+            f"algorithm.loss={alg.loss} multiplies its sequence-level ratio by one advantage "
+            "per sequence (use gspo_token: GSPO's sequence ratio with each token's own "
+            "advantage; or grpo, dapo, dr_grpo, sapo, cispo, ppo)"
+        )
+    if alg.advantage == "gae" and alg.turn_gamma != AlgorithmSection.turn_gamma:
+        raise ConfigError(
+            f"algorithm.turn_gamma={alg.turn_gamma:g} with algorithm.advantage=gae: GAE "
+            "discounts per token with algorithm.gamma (each turn's reward lands on its last "
+            "token); leave turn_gamma at 1"
         )
 
 

@@ -223,15 +223,31 @@ def turn_token_advantages(advantages: Tensor, token_turns: Tensor) -> Tensor:
     return torch.where(on, picked, 0.0)
 
 
-def turn_end_rewards(turn_rewards: Tensor, token_turns: Tensor) -> Tensor:
-    """Each turn's reward on its last token, [B, T] (0 elsewhere): the per-token rewards of
-    PPO's GAE (algorithms/gae.py) with per-turn credit."""
+def turn_end_rewards(
+    turn_rewards: Tensor, token_turns: Tensor, mask: Tensor | None = None
+) -> Tensor:
+    """Per-token rewards [B, T] for PPO's GAE (algorithms/gae.py) with per-turn credit: turn
+    k's reward on its last token, or, with ``mask`` (the tokens that train), on the last
+    trained token at or before it (GAE skips the others). A turn with no trained token at or
+    before its end precedes nothing that trains: its reward is dropped.
+
+    Args:
+        turn_rewards: [B, K] reward of each turn.
+        token_turns: [B, T] turn index of each token, -1 for none (observations, padding).
+        mask: [B, T] tokens that train; None: every token of a turn.
+    """
     turn_rewards = require_tensor("turn_rewards", turn_rewards)
-    token_turns = require_tensor("token_turns", token_turns)
+    token_turns = require_tensor("token_turns", token_turns).long()
     on = token_turns >= 0
     following = torch.full_like(token_turns, -1)
     following[:, :-1] = token_turns[:, 1:]
-    last = on & (following != token_turns)
+    last = on & (following != token_turns)  # the last token of each turn
+    trained = on if mask is None else on & (mask != 0)
+    positions = torch.arange(token_turns.shape[1], device=token_turns.device).expand_as(token_turns)
+    # the latest trained position at or before each position (-1: none yet)
+    target = torch.where(trained, positions, -1).cummax(dim=1).values
     dtype = torch.promote_types(turn_rewards.dtype, torch.float32)
-    picked = turn_rewards.detach().to(dtype).gather(1, token_turns.clamp(min=0).long())
-    return torch.where(last, picked, 0.0)
+    picked = turn_rewards.detach().to(dtype).gather(1, token_turns.clamp(min=0))
+    placed = last & (target >= 0)
+    out = torch.zeros(token_turns.shape, dtype=dtype, device=token_turns.device)
+    return out.scatter_add_(1, target.clamp(min=0), torch.where(placed, picked, 0.0))

@@ -273,6 +273,7 @@ class EpisodeRunner:
         record.tool_calls += result.tool_calls
         record.tool_errors += result.tool_errors
         record.env_reward += float(result.reward)
+        record.turn_rewards.append((record.answer_start, float(result.reward)))
         if result.done:
             e.finish = "stop"
         elif result.tool_errors and self.cfg.on_tool_error == "end":

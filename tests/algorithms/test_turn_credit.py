@@ -110,6 +110,14 @@ def test_tokens_get_their_turn_advantage():
     assert got.tolist() == [[1, 1, 0, 0, -2, -2, 0], [0.5, 0.5, 0.5, 0, 0, 0, 0]]
     ends = turn_end_rewards(torch.tensor([[3.0, 4.0], [5.0, 0.0]]), token_turns)
     assert ends.tolist() == [[0, 3, 0, 0, 0, 4, 0], [0, 0, 5, 0, 0, 0, 0]]
+    # with a mask, on the last trained token at or before the turn's end; a turn with no
+    # trained token before its end drops its reward (no trained token precedes it)
+    mask = torch.tensor([[1, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0]])
+    ends = turn_end_rewards(torch.tensor([[3.0, 4.0], [5.0, 0.0]]), token_turns, mask)
+    assert ends.tolist() == [[3, 0, 0, 0, 0, 4, 0], [0] * 7]
+    mask = torch.tensor([[0, 0, 0, 0, 1, 0, 0], [1, 1, 1, 0, 0, 0, 0]])
+    ends = turn_end_rewards(torch.tensor([[3.0, 4.0], [5.0, 0.0]]), token_turns, mask)
+    assert ends.tolist() == [[0, 0, 0, 0, 4, 0, 0], [0, 0, 5, 0, 0, 0, 0]]
     # two turns with no observation between them still end separately
     assert turn_end_rewards(torch.tensor([[3.0, 4.0]]), torch.tensor([[0, 1, 1]])).tolist() == [
         [3, 0, 4]
