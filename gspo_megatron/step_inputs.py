@@ -147,9 +147,6 @@ class StepInputs:
         s = self.settings
         flat = batch.flat()
         masks = self._masks(flat, batch)
-        advantages: list = batch.advantages.flatten().tolist()
-        if s.credit == "turn" and s.advantage != "gae":
-            advantages = self._turn_credit(batch)[1]
         # A response with no token (an aborted request) has no term in any loss: it is scored
         # and counted, and left out of training.
         samples = [
@@ -162,7 +159,9 @@ class StepInputs:
                 routed_experts=sample.routed_experts if s.routing_replay == "r3" else None,
                 version_lags=[batch.train_version - v for v in sample.versions()],
             )
-            for sample, adv, mask in zip(flat, advantages, masks, strict=True)
+            for sample, adv, mask in zip(
+                flat, batch.advantages.flatten().tolist(), masks, strict=True
+            )
             if sample.response_ids
         ]
         batch.stats["response/empty_count"] = float(len(flat) - len(samples))
@@ -184,6 +183,15 @@ class StepInputs:
                 x.ref_logprobs = lp.tolist()
         if self.critic is not None:
             self._gae_advantages(samples, batch)
+        elif s.credit == "turn":
+            # After the forwards: they take no token advantages (the loss's micro-batches do).
+            kept = [
+                adv
+                for x, adv in zip(flat, self._turn_credit(batch)[1], strict=True)
+                if x.response_ids
+            ]
+            for x, adv in zip(samples, kept, strict=True):
+                x.advantage = adv
         batch.samples = samples
 
     def _masks(self, flat: list[RolloutSample], batch: RolloutBatch) -> list[list[float] | None]:
