@@ -1,6 +1,7 @@
 """Per-turn credit (algorithm.credit=turn) wired through the step's inputs: an episode's turns
 and turn rewards, each token's advantage checked by hand; the trainer's loop with token losses
-(float64 loss references) and PPO's GAE; the refused combinations, by key."""
+(float64 loss references) and PPO's GAE; gspo-train on the real engine (GSPO-token); the
+refused combinations, by key."""
 
 from __future__ import annotations
 
@@ -157,3 +158,16 @@ def test_gae_with_turn_rewards(composer, tokenizer):
 def test_refused(composer, overrides, message):
     with pytest.raises(ConfigError, match=message):
         composer.resolve(*SMALL, *overrides)
+
+
+def test_turn_credit_through_gspo_train(tmp_path):
+    """The real engine: its forwards take one advantage per sequence, its loss the tokens'."""
+    from trainer.test_train_e2e import MULTI_TURN, metrics, train
+
+    train(
+        tmp_path, *MULTI_TURN, "algorithm=gspo_token", "algorithm.credit=turn",
+        "algorithm.turn_gamma=0.5", "trainer.steps=2", "eval.every=0",
+    )  # fmt: skip
+    records = metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["actor/optimizer_steps"] >= 1 and r["env/turns_mean"] > 1 for r in records)
