@@ -94,6 +94,34 @@ def test_token_advantages_by_hand():
     assert batch.advantages[0].tolist() == pytest.approx([at[b, 0] for b in range(4)], rel=1e-6)
 
 
+def test_gae_returns_are_the_turn_rewards_to_go():
+    """With GAE (gamma = lam = 1), a token's return is the sum of the rewards of the turns that
+    end at or after it, whatever the critic's values: each turn's reward sits on its last
+    token."""
+    import numpy as np
+
+    group = [episode([2, 3], [0.5, 0.0]), episode([1, 1, 2], [0.0, 1.0]), episode([3], [])]
+    batch = RolloutBatch(prompts=[Prompt(0, [1, 2], "p", "l")], groups=[group])
+    batch.rewards = torch.tensor([[1.5, 2.0, 1.0]])
+    critic = SimpleNamespace(
+        forward=lambda samples: SimpleNamespace(
+            values=[np.linspace(-1, 1, len(x.response_ids)) for x in samples]
+        )
+    )
+    policy = SimpleNamespace(model_config=SimpleNamespace(is_moe=False))
+    inputs = StepInputs(settings(advantage="gae", turn_gamma=1.0), policy, critic=critic)
+    inputs.add_advantages(batch)
+    inputs.add_samples(batch)
+    turn_rewards = [[0.5, 1.0], [0.0, 1.0, 1.0], [1.0]]
+    for sample, x, rewards in zip(group, batch.samples, turn_rewards, strict=True):
+        turn, expected = -1, []
+        for i, m in enumerate(sample.loss_mask):
+            if m and (i == 0 or not sample.loss_mask[i - 1]):
+                turn += 1
+            expected.append(sum(rewards[turn:]) if m else 0.0)
+        assert x.returns == pytest.approx(expected, abs=1e-9)
+
+
 def test_undiscounted_turn_credit_of_single_turn_responses_is_the_episode_advantage():
     group = [episode([3], []), episode([2], [0.5]), episode([4], [])]
     batch = RolloutBatch(prompts=[Prompt(0, [1, 2], "p", "l")], groups=[group])
