@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from trainer.fakes import SMALL, build_fake_run
-from trainer.test_trainer_options import check_losses
+from trainer.test_trainer_options import AGGREGATION, SEQUENCE_RATIO_LOSSES, check_losses
 
 from gspo_megatron.collector import RolloutBatch
 from gspo_megatron.config import ConfigError
@@ -143,7 +143,7 @@ def run(composer, tokenizer, *overrides):
     return fake
 
 
-@pytest.mark.parametrize("loss", ["grpo", "gspo_token"])
+@pytest.mark.parametrize("loss", sorted(set(AGGREGATION) - SEQUENCE_RATIO_LOSSES - {"ppo"}))
 def test_token_losses_train_on_turn_advantages(composer, tokenizer, loss):
     fake = run(composer, tokenizer, f"algorithm={loss}", "algorithm.turn_gamma=0.9")
     check_losses(fake, [e for step in fake.journal.steps() for e in step])
