@@ -1,11 +1,13 @@
-"""A two-turn task for per-turn credit (docs/ENVIRONMENTS.md, "Per-turn credit"): importable as
+"""Two-turn tasks for per-turn credit (docs/ENVIRONMENTS.md, "Per-turn credit"): importable as
 `envs.credit_task:TwoAnswers` with tests/ on the path.
 
-The synthetic `copy` task's prompt, answered twice: the environment scores the first turn
-(partial credit per digit against the label) and asks again; the reward section scores the
-second turn, the final answer, the same way. An episode's reward is the sum of the two. With
-per-turn credit (turn_gamma 0) each turn is credited with its own score only; with the episode
-sum both turns share it, so each turn's advantage carries the other turn's noise.
+The synthetic `copy` task's prompt, answered twice. The environment scores the first turn
+(partial credit per digit against the label) and asks again. second="copy": the reward section
+scores the second turn, the final answer, the same way (the same skill twice). second="reverse"
+(with reward.name=envs.credit_task:NoScore): the environment scores the second turn against the
+reversed label (two different skills). An episode's reward is the sum of the two. With per-turn
+credit (turn_gamma 0) each turn is credited with its own score only; with the episode sum both
+turns share it, so each turn's advantage carries the other turn's noise.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from gspo_megatron.rewards.synthetic import partial_credit
 class TwoAnswers(Environment):
     inline_safe = True
 
-    def __init__(self, again: str = "=") -> None:
-        self.again = again
+    def __init__(self, again: str = "=", second: str = "copy") -> None:
+        if second not in ("copy", "reverse"):
+            raise ValueError(f"second must be copy or reverse, got {second!r}")
+        self.again, self.second = again, second
         self.label = ""
         self.turns = 0
 
@@ -32,4 +36,15 @@ class TwoAnswers(Environment):
             return StepResult(
                 observation=self.again, reward=partial_credit(turn, self.label), role="user"
             )
+        if self.second == "reverse":
+            return StepResult(done=True, reward=partial_credit(turn, self.label[::-1]))
         return StepResult(done=True)  # the reward section scores the final answer
+
+
+class NoScore:
+    """A reward section that scores nothing (the environment scores every turn)."""
+
+    inline_safe = True
+
+    def __call__(self, prompt: str, response: str, label) -> float:
+        return 0.0
