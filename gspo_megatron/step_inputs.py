@@ -259,7 +259,7 @@ class StepInputs:
         turns, rewards = self._turns(batch)
         if not any(rewards):  # no response has a token
             return torch.zeros(len(flat), dtype=torch.float64), [[] for _ in flat]
-        token_turns, _ = _pad_ids(turns)
+        token_turns = _pad_ids(turns)
         turn_rewards, turn_mask = _pad(rewards)
         group_ids = torch.tensor([i for i, group in enumerate(batch.groups) for _ in group])
         advantages = turn_advantages(
@@ -286,7 +286,8 @@ class StepInputs:
         samples get token advantages, the values and the returns."""
         s = self.settings
         kept = [i for i, x in enumerate(batch.flat()) if x.response_ids]
-        rewards = [batch.rewards.flatten().tolist()[i] for i in kept]
+        totals = batch.rewards.flatten().tolist()
+        rewards = [totals[i] for i in kept]
         values = self.critic.forward(samples).values
         lengths = [len(x.response_ids) for x in samples]
         old_values, _ = _pad([v.tolist() for v in values])
@@ -302,7 +303,7 @@ class StepInputs:
             )
         if s.credit == "turn":
             turns, turn_rewards = self._turns(batch)
-            token_turns, _ = _pad_ids([turns[i] for i in kept], mask.shape[1])
+            token_turns = _pad_ids([turns[i] for i in kept], mask.shape[1])
             per_token = token_rewards(torch.zeros(len(kept)), mask, kl, s.kl_reward_coef)
             per_token += turn_end_rewards(
                 _pad([turn_rewards[i] for i in kept])[0], token_turns, mask
@@ -404,13 +405,13 @@ def _mask_product(a: list[float] | None, b: list[int] | None) -> list[float] | N
     return [x * y for x, y in zip(a, b, strict=True)]
 
 
-def _pad_ids(rows: Sequence[Sequence[int]], width: int | None = None) -> tuple[torch.Tensor, int]:
+def _pad_ids(rows: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
     """Token turns [B, width] (default: the longest row), -1 past each row."""
     width = max((len(r) for r in rows), default=0) if width is None else width
     out = torch.full((len(rows), max(width, 1)), -1, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out, width
+    return out
 
 
 def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
