@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gspo_megatron import CONF_DIR
-from gspo_megatron.config_fields import ConfigError, bounded, check_fields, choice
+from gspo_megatron.config_fields import (
+    ConfigError,
+    bounded,
+    check_fields,
+    choice,
+    open_mapping,
+)
 from gspo_megatron.data.config import DataConfig
 from gspo_megatron.data.tokenizer import CHAR_TOKENIZER_NAMES
 from gspo_megatron.envs.registry import EnvConfig
@@ -87,6 +93,12 @@ class AlgorithmSection:
     per-token rewards (the reward at the last model token, minus kl_reward_coef x the
     kl_estimator's per-token KL to the initial policy), with gamma and lam, the advantages
     whitened over the batch when whiten_advantages.
+    credit: episode | turn. episode: one advantage per response (an episode's step rewards
+    summed into its reward). turn (multi-turn episodes, env.name): each model turn's
+    discounted return (turn_gamma per turn) against the group's episodes at the same turn
+    index, given to the turn's tokens (algorithms/advantages.py; docs/ENVIRONMENTS.md,
+    "Per-turn credit"); needs a loss that takes token advantages (gspo_token, not gspo); with
+    advantage=gae each turn's reward lands on its last token and GAE discounts per token.
     num_minibatches: optimizer steps per rollout batch (the GSPO paper uses 4).
     old_logprobs: recompute (trainer forward) | rollout (the rollout engine's log-probs).
     routing_replay: off | r2 (replay the old-policy forward's routes) | r3 (the rollout
@@ -106,12 +118,14 @@ class AlgorithmSection:
     """
 
     loss: str = "gspo"
-    hparams: dict[str, Any] = field(default_factory=dict)
+    hparams: dict[str, Any] = open_mapping()
     advantage: str | None = choice(None, "group_mean_std", "group_mean", "gae")
     advantage_eps: float = bounded(1e-6, ge=0)
     gamma: float = bounded(1.0, ge=0, le=1)
     lam: float = bounded(0.95, ge=0, le=1)
     whiten_advantages: bool = True
+    credit: str = choice("episode", "turn")
+    turn_gamma: float = bounded(1.0, ge=0, le=1)
     kl_reward_coef: float = bounded(0.0, ge=0)
     num_minibatches: int = bounded(4, ge=1)
     old_logprobs: str = choice("recompute", "rollout")
@@ -457,7 +471,8 @@ def register_schema() -> None:
     starts from (call before composing). The model section is a plain mapping there: its keys
     are a preset's ModelConfig fields, checked by `resolve`; so are mappings of sections
     (eval.benchmarks), so that a new entry can be given whole on the command line, and the
-    sections marked `open_in_hydra` (rollout.sglang)."""
+    sections marked `open_in_hydra` (rollout.sglang). The `open_mapping` fields (env.kwargs,
+    algorithm.hparams) take new keys without `+`."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="gspo_config", node=_hydra_schema(RunConfig))
@@ -479,6 +494,10 @@ def _hydra_schema(cls) -> type:
             or (typing.get_origin(hint) is dict and args and dataclasses.is_dataclass(args[1]))
         ):
             fields.append((f.name, dict[str, Any], field(default_factory=dict, metadata=_MAPPING)))
+        elif f.metadata.get("open_keys"):
+            fields.append(
+                (f.name, Any, field(default_factory=_open_dict_config, metadata=f.metadata))
+            )
         elif dataclasses.is_dataclass(hint) and (schema := _hydra_schema(hint)) is not hint:
             fields.append((f.name, schema, field(default_factory=_as_schema(f, schema))))
         else:
@@ -488,6 +507,24 @@ def _hydra_schema(cls) -> type:
     return dataclasses.make_dataclass(cls.__name__, fields)
 
 
+def _open_dict_config(content: dict | None = None):
+    """A mapping that stays open when Hydra makes the config struct: its owner checks its keys
+    (`open_mapping`), so `env.kwargs.max_guesses=8` needs no `+`."""
+    from omegaconf import DictConfig
+
+    return DictConfig(content or {}, flags={"struct": False})
+
+
+def _schema_default(f: dataclasses.Field, value: Any) -> Any:
+    """A schema field's value from its section's default: mappings empty (their content comes
+    from the presets), open mappings open."""
+    if f.metadata.get("mapping"):
+        return {}
+    if f.metadata.get("open_keys"):
+        return _open_dict_config(value)
+    return value
+
+
 def _as_schema(f: dataclasses.Field, schema: type):
     """A default factory of `schema` holding the values of field `f`'s default."""
 
@@ -495,7 +532,7 @@ def _as_schema(f: dataclasses.Field, schema: type):
         default = f.default_factory()
         return schema(
             **{
-                g.name: {} if g.metadata.get("mapping") else getattr(default, g.name)
+                g.name: _schema_default(g, getattr(default, g.name))
                 for g in dataclasses.fields(schema)
             }
         )
@@ -691,6 +728,7 @@ def _check(cfg: RunConfig, model: ModelConfig, layout: ParallelLayout) -> None:
     _check_task_labels(cfg)
     _check_room_for_the_end_token(cfg)
     _check_critic(cfg)
+    _check_credit(cfg)
     _check_lora(cfg, model)
     _check_moe_aux_loss(alg, model)
     _check_rollout_mode(cfg)
@@ -843,6 +881,38 @@ def _check_critic(cfg: RunConfig) -> None:
         raise ConfigError(
             f"critic.optimizer.min_lr={critic.optimizer.min_lr:g} must not exceed "
             f"critic.optimizer.lr={critic.optimizer.lr:g}"
+        )
+
+
+def _check_credit(cfg: RunConfig) -> None:
+    """Per-turn credit: multi-turn episodes, a loss with token advantages, one discount."""
+    from gspo_megatron.algorithms.losses import POLICY_LOSSES
+
+    alg = cfg.algorithm
+    if alg.credit == "episode":
+        if alg.turn_gamma != AlgorithmSection.turn_gamma:
+            raise ConfigError(
+                f"algorithm.turn_gamma={alg.turn_gamma:g} is set but only algorithm.credit=turn "
+                "reads it"
+            )
+        return
+    if not cfg.env.enabled:
+        raise ConfigError(
+            "algorithm.credit=turn needs multi-turn episodes (env.name): a single-turn response "
+            "has one turn, whose credit is the episode's"
+        )
+    if POLICY_LOSSES[alg.loss].sequence_advantages:
+        raise ConfigError(
+            f"algorithm.credit=turn gives the turns of an episode different advantages; "
+            f"algorithm.loss={alg.loss} multiplies its sequence-level ratio by one advantage "
+            "per sequence (use gspo_token: GSPO's sequence ratio with each token's own "
+            "advantage; or grpo, dapo, dr_grpo, sapo, cispo, ppo)"
+        )
+    if alg.advantage == "gae" and alg.turn_gamma != AlgorithmSection.turn_gamma:
+        raise ConfigError(
+            f"algorithm.turn_gamma={alg.turn_gamma:g} with algorithm.advantage=gae: GAE "
+            "discounts per token with algorithm.gamma (each turn's reward lands on its last "
+            "token); leave turn_gamma at 1"
         )
 
 

@@ -41,6 +41,13 @@ def choice(*values: Any) -> Any:
     return dataclasses.field(default=values[0], metadata={"choices": values})
 
 
+def open_mapping() -> Any:
+    """A dataclass field holding a mapping whose keys are someone else's (an environment's
+    keyword arguments, a loss's hyper-parameters): `key.name=value` adds a key on the command
+    line without Hydra's `+`, and the owner checks the names (config.py's Hydra schema)."""
+    return dataclasses.field(default_factory=dict, metadata={"open_keys": True})
+
+
 def range_text(metadata: dict[str, Any]) -> str:
     ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
     parts = [f"{ops[k]} {v:g}" for k, v in metadata["range"].items() if v is not None]

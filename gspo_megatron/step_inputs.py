@@ -1,6 +1,8 @@
 """What one RL step trains on (docs/ARCHITECTURE.md §3, steps 3-4), from a scored batch:
 
-  * group advantages (the loss's estimator, or algorithm.advantage);
+  * group advantages (the loss's estimator, or algorithm.advantage); with algorithm.credit=turn
+    per-turn advantages of multi-turn episodes (algorithms/advantages.py): each model turn's
+    tokens get their turn's advantage;
   * `TrainSample`s with their loss masks: DAPO's overlong filter, an episode's observations,
     the tokens before a partial rollout's last weight swap; a response with no token is left out;
   * old log-probs (the policy's forward, or the rollout's), the routes the forward recorded (R2)
@@ -10,7 +12,14 @@
     (algorithms/mismatch.py);
   * each token's version lag (the clip fraction is split by it);
   * with algorithm.advantage=gae, PPO's token advantages: the critic values the batch and GAE
-    runs over the trained tokens (algorithms/gae.py).
+    runs over the trained tokens (algorithms/gae.py); with credit=turn each turn's reward lands
+    on its last trained token.
+
+An episode's turns (`_episode_turns`): the runs of its loss mask (observations are 0), split
+where the episode runner recorded a turn start. Its turn rewards: the environment's reward for
+each turn but the last, times the rule reward's weight when a reward model scores too; the last
+turn carries the rest of the episode's reward (the final answer's score, the reward model's,
+penalties; after a failure the whole of it), so the turn rewards sum to the episode's.
 
 It takes its settings explicitly (`StepInputSettings`) and the engines as objects (`forward`:
 gspo_megatron.megatron.training_engine.TrainingEngine, or the tests' fakes).
@@ -38,6 +47,9 @@ from gspo_megatron.algorithms import (
     overlong_filter_mask,
     rollout_mismatch_sums,
     token_rewards,
+    turn_advantages,
+    turn_end_rewards,
+    turn_token_advantages,
 )
 from gspo_megatron.algorithms.losses import get_policy_loss
 from gspo_megatron.rollout.base import RolloutSample
@@ -70,6 +82,9 @@ class StepInputSettings:
     kl_reward_coef: float
     kl_estimator: str
     mismatch_token_threshold: float
+    credit: str = "episode"  # episode | turn
+    turn_gamma: float = 1.0
+    step_reward_scale: float = 1.0  # the rule reward's weight when a reward model scores too
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> StepInputSettings:
@@ -93,6 +108,9 @@ class StepInputSettings:
             kl_reward_coef=alg.kl_reward_coef,
             kl_estimator=alg.kl_estimator,
             mismatch_token_threshold=cfg.stability.mismatch_token_threshold,
+            credit=alg.credit,
+            turn_gamma=alg.turn_gamma,
+            step_reward_scale=cfg.reward.rule_weight if cfg.reward.model_path else 1.0,
         )
 
 
@@ -113,10 +131,15 @@ class StepInputs:
 
     def add_advantages(self, batch: RolloutBatch) -> None:
         """Group advantages [groups, G]; with GAE zeros here, and each token's own advantage
-        once the critic has valued the batch (`add_samples`)."""
+        once the critic has valued the batch (`add_samples`); with per-turn credit each
+        episode's first turn's (at turn_gamma 1 the episode's), the tokens' in `add_samples`."""
         s = self.settings
         if s.advantage == "gae":
             batch.advantages = torch.zeros_like(batch.rewards)
+            return
+        if s.credit == "turn":
+            first = self._turn_credit(batch)[0]
+            batch.advantages = first.to(batch.rewards.dtype).view_as(batch.rewards)
             return
         batch.advantages = ADVANTAGE_ESTIMATORS[s.advantage](batch.rewards, eps=s.advantage_eps)
 
@@ -160,9 +183,16 @@ class StepInputs:
             for x, lp in zip(samples, ref.logprobs, strict=True):
                 x.ref_logprobs = lp.tolist()
         if self.critic is not None:
-            rewards = batch.rewards.flatten().tolist()
-            kept = [r for x, r in zip(flat, rewards, strict=True) if x.response_ids]
-            self._gae_advantages(samples, kept, batch)
+            self._gae_advantages(samples, batch)
+        elif s.credit == "turn":
+            # After the forwards: they take no token advantages (the loss's micro-batches do).
+            kept = [
+                adv
+                for x, adv in zip(flat, self._turn_credit(batch)[1], strict=True)
+                if x.response_ids
+            ]
+            for x, adv in zip(samples, kept, strict=True):
+                x.advantage = adv
         batch.samples = samples
 
     def _masks(self, flat: list[RolloutSample], batch: RolloutBatch) -> list[list[float] | None]:
@@ -222,13 +252,43 @@ class StepInputs:
             for x in samples:
                 x.old_logprobs = list(x.rollout_logprobs)
 
-    def _gae_advantages(
-        self, samples: list[TrainSample], rewards: list[float], batch: RolloutBatch
-    ) -> None:
-        """PPO's advantages: the critic values every state, each sample's reward lands on its
-        last trained token (minus the per-token KL penalty), and GAE runs over the trained
-        tokens; the samples get token advantages, the values and the returns."""
+    def _turn_credit(self, batch: RolloutBatch) -> tuple[torch.Tensor, list[list[float]]]:
+        """Per-turn credit: each episode's first-turn advantage [N] (0 for an empty response)
+        and each response's token advantages (0 on observations)."""
         s = self.settings
+        flat = batch.flat()
+        turns, rewards = self._turns(batch)
+        if not any(rewards):  # no response has a token
+            return torch.zeros(len(flat), dtype=torch.float64), [[] for _ in flat]
+        token_turns = _pad_ids(turns)
+        turn_rewards, turn_mask = _pad(rewards)
+        group_ids = torch.tensor([i for i, group in enumerate(batch.groups) for _ in group])
+        advantages = turn_advantages(
+            turn_rewards, turn_mask, group_ids, s.turn_gamma,
+            normalize_std=s.advantage == "group_mean_std", eps=s.advantage_eps,
+        )  # fmt: skip
+        tokens = turn_token_advantages(advantages, token_turns)
+        per_token = [tokens[i, : len(x.response_ids)].tolist() for i, x in enumerate(flat)]
+        return advantages[:, 0], per_token
+
+    def _turns(self, batch: RolloutBatch) -> tuple[list[list[int]], list[list[float]]]:
+        """Every response's token turns and turn rewards (`_episode_turns`)."""
+        totals = batch.rewards.flatten().tolist()
+        pairs = [
+            _episode_turns(x, total, self.settings.step_reward_scale)
+            for x, total in zip(batch.flat(), totals, strict=True)
+        ]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def _gae_advantages(self, samples: list[TrainSample], batch: RolloutBatch) -> None:
+        """PPO's advantages: the critic values every state, each sample's reward lands on its
+        last trained token (with per-turn credit: each turn's reward on the turn's last trained
+        token; minus the per-token KL penalty), and GAE runs over the trained tokens; the
+        samples get token advantages, the values and the returns."""
+        s = self.settings
+        kept = [i for i, x in enumerate(batch.flat()) if x.response_ids]
+        totals = batch.rewards.flatten().tolist()
+        rewards = [totals[i] for i in kept]
         values = self.critic.forward(samples).values
         lengths = [len(x.response_ids) for x in samples]
         old_values, _ = _pad([v.tolist() for v in values])
@@ -242,9 +302,17 @@ class StepInputs:
             batch.stats["reward/kl_penalty_mean"] = float(
                 s.kl_reward_coef * (kl * mask).sum() / mask.sum().clamp(min=1.0)
             )
-        per_token = token_rewards(
-            torch.tensor(rewards, dtype=torch.float64), mask, kl, s.kl_reward_coef
-        )
+        if s.credit == "turn":
+            turns, turn_rewards = self._turns(batch)
+            token_turns = _pad_ids([turns[i] for i in kept], mask.shape[1])
+            per_token = token_rewards(torch.zeros(len(kept)), mask, kl, s.kl_reward_coef)
+            per_token += turn_end_rewards(
+                _pad([turn_rewards[i] for i in kept])[0], token_turns, mask
+            )
+        else:
+            per_token = token_rewards(
+                torch.tensor(rewards, dtype=torch.float64), mask, kl, s.kl_reward_coef
+            )
         advantages, returns = gae(per_token, old_values, mask, s.gamma, s.lam)
         if s.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
@@ -294,6 +362,34 @@ class StepInputs:
             batch.stats[f"mismatch/{name}"] = value
 
 
+def _episode_turns(
+    sample: RolloutSample, total: float, step_scale: float
+) -> tuple[list[int], list[float]]:
+    """(turn index of each response token, -1 on observations; each turn's reward) of one
+    response (the module docstring). A response with no token has no turn."""
+    n = len(sample.response_ids)
+    mask = sample.loss_mask or [1] * n
+    record = sample.episode
+    recorded = record.turn_rewards if record is not None else []
+    starts = {i for i in range(n) if mask[i] and (i == 0 or not mask[i - 1])}
+    if record is not None:
+        starts.update(i for i in (*(t for t, _ in recorded), record.answer_start) if i < n)
+    token_turns, turn = [], -1
+    for i in range(n):
+        if mask[i] and i in starts:
+            turn += 1
+        token_turns.append(turn if mask[i] else -1)
+    rewards = [0.0] * (turn + 1)
+    if not rewards:
+        return token_turns, rewards
+    for start, reward in recorded:
+        # a turn's own reward; the last turn's comes with the rest of the episode's
+        if start < n and mask[start] and token_turns[start] < turn:
+            rewards[token_turns[start]] += step_scale * reward
+    rewards[-1] = total - sum(rewards[:-1])
+    return token_turns, rewards
+
+
 def _mask_before_last_swap(sample: RolloutSample, mask: list[float] | None) -> list[float] | None:
     """`mask` with the tokens sampled before the response's last weight swap set to 0."""
     versions = sample.versions()
@@ -308,6 +404,15 @@ def _mask_product(a: list[float] | None, b: list[int] | None) -> list[float] | N
     if a is None or b is None:
         return a if b is None else [float(x) for x in b]
     return [x * y for x, y in zip(a, b, strict=True)]
+
+
+def _pad_ids(rows: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
+    """Token turns [B, width] (default: the longest row), -1 past each row."""
+    width = max((len(r) for r in rows), default=0) if width is None else width
+    out = torch.full((len(rows), max(width, 1)), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
 
 
 def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:

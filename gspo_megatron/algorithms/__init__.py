@@ -1,9 +1,17 @@
 """The GSPO family in pure PyTorch (no Megatron import): policy losses as per-item terms over a
-global denominator, group advantages, KL estimators, train/rollout mismatch corrections, DAPO /
-DUPO batch pieces, PPO's critic side (GAE, value loss) and metrics. See docs/ALGORITHMS.md for
-the formulas and defaults."""
+global denominator, group advantages (per episode, or per turn of a multi-turn episode), KL
+estimators, train/rollout mismatch corrections, DAPO / DUPO batch pieces, PPO's critic side
+(GAE, value loss) and metrics. See docs/ALGORITHMS.md for the formulas and defaults."""
 
-from .advantages import ADVANTAGE_ESTIMATORS, group_advantages, token_advantages
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    group_advantages,
+    token_advantages,
+    turn_advantages,
+    turn_end_rewards,
+    turn_returns,
+    turn_token_advantages,
+)
 from .gae import (
     ValueLossTerms,
     explained_variance,
@@ -88,4 +96,8 @@ __all__ = [
     "token_advantages",
     "token_rewards",
     "value_loss_terms",
+    "turn_advantages",
+    "turn_end_rewards",
+    "turn_returns",
+    "turn_token_advantages",
 ]

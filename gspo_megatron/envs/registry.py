@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from gspo_megatron.config_fields import bounded, choice, raise_on_problems
+from gspo_megatron.config_fields import bounded, choice, open_mapping, raise_on_problems
 from gspo_megatron.envs.base import Environment
 from gspo_megatron.envs.calculator import CalculatorEnv
 from gspo_megatron.envs.retrieval import RetrievalEnv
@@ -74,7 +74,7 @@ class EnvConfig:
     """
 
     name: str = NO_ENVIRONMENT
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = open_mapping()
     max_turns: int = bounded(4, ge=1)
     max_tokens: int = bounded(256, ge=1)
     timeout_s: float = bounded(10.0, gt=0)

@@ -6,9 +6,13 @@ A model turn calls tools with one or more blocks
     {"name": "calculator", "arguments": {"expression": "35+807"}}
     </tool_call>
 
-(Qwen3's and Hermes' format); each result goes back as a `tool` message, which Qwen3's chat
-template renders inside <tool_response> ... </tool_response>. A turn without a tool call is the
-episode's final answer.
+(Qwen3's and Hermes' format; `qwen3_tool_call` writes one exactly as Qwen3's chat template
+renders an assistant message's tool call, and successive calls are separated by "\n"); each
+result goes back as a `tool` message, which Qwen3's chat template renders inside
+<tool_response> ... </tool_response>, the consecutive ones of a turn in one user message
+(envs/chat.py renders them with the tokenizer's own template). The parser also takes compact
+JSON without the newlines (the built-in environments' demonstrations write it for the character
+tokenizer). A turn without a tool call is the episode's final answer.
 
 `ToolEnvironment` is an `Environment` over a set of tools (plain functions; their signatures say
 which arguments are required). A call that cannot run - bad JSON, an unknown tool, a missing or
@@ -30,6 +34,14 @@ from gspo_megatron.envs.base import Environment, StepResult
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S)
+
+
+def qwen3_tool_call(name: str, arguments: Mapping[str, Any]) -> str:
+    """One tool call as Qwen3's chat template renders it: the tags on lines of their own and
+    the arguments as its `tojson` filter writes them (json.dumps: ", " and ": ", keys in the
+    given order, non-ASCII kept)."""
+    body = json.dumps(dict(arguments), ensure_ascii=False)
+    return f'{TOOL_CALL_OPEN}\n{{"name": "{name}", "arguments": {body}}}\n{TOOL_CALL_CLOSE}'
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,33 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 
+def _count(name: str, value: object, low: int, high: int | None = None) -> int:
+    """`value` as an int in [low, high]; a float, bool or other non-integer is refused (2.5
+    samples is a caller's bug, not something to round)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)  # int and numpy integers; not float, not str
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer, got {type(value).__name__} {value!r}"
+        ) from None
+    if number < low or (high is not None and number > high):
+        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be in {bounds}, got {number}")
+    return number
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem with c correct out of n samples."""
-    if not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 1 <= k <= n samples, got k={k}, n={n}")
-    if not 0 <= c <= n:
-        raise ValueError(f"the number correct must be in [0, {n}], got {c}")
+    """Unbiased pass@k of one problem with c correct out of n samples; n, c and k must be
+    integers with 1 <= k <= n and 0 <= c <= n."""
+    n = _count("pass@k's number of samples n", n, 1)
+    k = _count(f"pass@k's k (n={n} samples)", k, 1, n)
+    c = _count(f"pass@k's number correct c (n={n} samples)", c, 0, n)
     if n - c < k:
         return 1.0
     # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i)
@@ -59,8 +77,11 @@ def mean_pass_at_k(correct: Sequence[Sequence[float]], k: int) -> float:
 
 def majority_solved(answers: Sequence[str | None], correct: Sequence[float], k: int) -> bool:
     """Whether the majority answer of the first k samples is a correct one."""
-    if not 1 <= k <= len(answers) or len(answers) != len(correct):
-        raise ValueError(f"maj@k needs 1 <= k <= {len(answers)} samples with answers, got k={k}")
+    if len(answers) != len(correct):
+        raise ValueError(
+            f"maj@k needs one answer per sample: {len(answers)} answers, {len(correct)} samples"
+        )
+    k = _count(f"maj@k's k ({len(answers)} samples)", k, 1, len(answers))
     votes: dict[str, int] = {}
     for answer in answers[:k]:
         if answer is not None:
@@ -91,6 +112,7 @@ def benchmark_metrics(
 ) -> dict[str, float]:
     """{"avg@n", "pass@k" for each k, "maj@k" for each k > 1 when answers are given}."""
     n = _check_table(correct)
+    ks = [_count("k", k, 1) for k in ks]
     too_large = [k for k in ks if k > n]
     if too_large:
         raise ValueError(f"k={too_large[0]} is larger than the {n} samples per problem")

@@ -109,6 +109,9 @@ class EpisodeRecord:
     tool_calls: int = 0
     tool_errors: int = 0
     env_reward: float = 0.0  # the environment's step rewards, summed
+    # Per-turn credit (algorithm.credit=turn): (where the model turn starts in response_ids,
+    # the environment's reward for it), one per stepped turn; empty once a failure replaced it.
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     # "error" / "timeout": an environment call raised or hung (the episode's reward is 0);
     # "tool_error": a failed tool call ended it (env.on_tool_error=end)
     failure: str | None = None

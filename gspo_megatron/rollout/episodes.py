@@ -521,6 +521,7 @@ class EpisodeRunner:
         record.tool_calls += result.tool_calls
         record.tool_errors += result.tool_errors
         record.env_reward += float(result.reward)  # the episode's step rewards, summed here
+        record.turn_rewards.append((record.answer_start, float(result.reward)))
         if result.done:
             e.finish = "stop"
         elif result.tool_errors and self.cfg.on_tool_error == "end":

@@ -164,10 +164,15 @@ def test_observation_ids_follow_the_turn_end_token():
     )
 
 
-def test_template_that_rewrites_history_is_refused():
-    rewrites = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    tok = build_char_tokenizer(chat_template=rewrites)
-    with pytest.raises(ValueError, match="renders earlier messages differently"):
+def test_template_without_turn_end_is_refused_and_history_rewrites_are_not_read():
+    no_end = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok = build_char_tokenizer(chat_template=no_end)
+    with pytest.raises(ValueError, match="does not end an assistant turn with the end token"):
         ChatFormat(tok).message_ids(["1"], "tool")
+    # earlier messages rendered differently once one follows (the count up front): the
+    # observation is what follows the turn's end token all the same
+    rewrites = no_end.replace("{% endfor %}", "{{ eos_token }}{% endfor %}")
+    tok = build_char_tokenizer(chat_template=rewrites)
+    assert tok.decode(ChatFormat(tok).message_ids(["12"], "tool")) == "12<eos>"
     with pytest.raises(ValueError, match="need a tokenizer with a chat template"):
         ChatFormat(build_char_tokenizer(chat_template=None))

@@ -49,6 +49,39 @@ def test_pass_at_k_refuses_impossible_arguments(n, c, k):
         pass_at_k(n, c, k)
 
 
+@pytest.mark.parametrize(
+    ("n", "c", "k", "match"),
+    [
+        (8, 3, 2.5, r"pass@k's k \(n=8 samples\) must be an integer, got float 2.5"),
+        (8, 3, 2.0, "k .* must be an integer, got float 2.0"),
+        (8, 3.0, 2, "number correct c .* must be an integer, got float 3.0"),
+        (8.5, 3, 2, "number of samples n must be an integer, got float 8.5"),
+        (8, True, 2, "must be an integer, got True"),
+        (8, 3, "2", "must be an integer, got str '2'"),
+        (0, 0, 1, r"number of samples n must be in >= 1, got 0"),
+        (8, 9, 2, r"number correct c \(n=8 samples\) must be in \[0, 8\], got 9"),
+        (8, 3, 9, r"k \(n=8 samples\) must be in \[1, 8\], got 9"),
+    ],
+)
+def test_pass_at_k_refuses_non_integer_or_out_of_range_counts(n, c, k, match):
+    with pytest.raises(ValueError, match=match):
+        pass_at_k(n, c, k)
+
+
+def test_pass_at_k_takes_numpy_integers():
+    import numpy as np
+
+    assert pass_at_k(np.int64(8), np.int32(3), np.int64(2)) == pass_at_k(8, 3, 2)
+
+
+def test_table_metrics_refuse_a_non_integer_k():
+    table = [[1, 0, 1, 0]]
+    with pytest.raises(ValueError, match="k must be an integer, got float 1.5"):
+        benchmark_metrics(table, [1.5])
+    with pytest.raises(ValueError, match="maj@k's k .* must be an integer"):
+        majority_solved(["a", "b"], [1, 0], 1.0)
+
+
 def test_table_metrics_match_loops():
     rng = random.Random(3)
     table = [[int(rng.random() < p) for _ in range(8)] for p in (0.0, 0.1, 0.5, 0.9, 1.0, 0.3)]

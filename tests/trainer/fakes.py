@@ -354,6 +354,9 @@ class FakePolicy:
     ) -> FakeForwardResult:
         self._check_resident()
         validate_samples(samples, self.max_sequence_length)
+        if any(isinstance(s.advantage, list) for s in samples):
+            # as the real engine: a forward's micro-batches carry one advantage per sequence
+            raise ValueError("token-level advantages given to a sequence-level loss")
         with torch.no_grad():
             prev, nxt, _, routes = self._batch(samples, replay_routes)
             logp, logp_all = self._token_logprobs(prev, nxt, routes)
