@@ -890,12 +890,6 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
             "trainer.export_hf_every=0",
         ),
         (
-            cfg.rollout.mode != "sync",
-            f"rollout.mode={cfg.rollout.mode}: the embedded generator process receives the "
-            "policy's weights in Hugging Face form, which does not carry adapters yet; use "
-            "rollout.mode=sync",
-        ),
-        (
             cfg.algorithm.advantage == "gae",
             "algorithm.advantage=gae: PPO's critic with a LoRA policy is not built yet",
         ),

@@ -94,14 +94,13 @@ def test_refused(overrides, message):
         (["lora.rank=8", "engine.use_te=true"], "lora.rank=8 with engine.use_te=true"),
         (["lora.rank=8", "rollout=sglang"],
          "lora.rank=8 with rollout.engine=sglang: weight sync of adapters"),
-        (["lora.rank=8", "rollout.mode=async"], "lora.rank=8 with rollout.mode=async"),
         (["lora.rank=8", "algorithm=ppo"], "lora.rank=8 with algorithm.advantage=gae"),
         (["lora.rank=8", "trainer.export_hf_every=5"],
          "lora.rank=8 with trainer.export_hf_every=5: the Hugging Face export of a LoRA policy"),
     ],
     ids=["rank-0", "rank-negative", "alpha-without-rank", "dense-target-on-moe",
          "expert-target-on-dense", "router", "unknown-target", "no-targets", "dropout", "te",
-         "sglang", "async", "ppo-critic", "hf-export"],
+         "sglang", "ppo-critic", "hf-export"],
 )  # fmt: skip
 def test_lora_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -118,6 +117,8 @@ def test_lora_resolves_on_moe_and_dense_models():
         "attention.linear_qkv", "attention.linear_proj", "experts.linear_fc1",
         "experts.linear_fc2",
     }  # fmt: skip
+    for mode in ("one_step_off", "async"):  # the generator process merges the adapters
+        assert resolved("lora.rank=8", f"rollout.mode={mode}")[0].rollout.mode == mode
     raw = compose(["model=tiny_dense", "lora.rank=2", "lora.targets=[mlp.linear_fc2]"])
     cfg, model, _ = resolve(raw, 1)
     assert resolve_targets(cfg.lora.targets, model.is_moe) == {"mlp.linear_fc2"}
