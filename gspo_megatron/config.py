@@ -879,9 +879,9 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
         ),
         (
             not rollout_backend(cfg.rollout.engine).generates_with_adapters,
-            f"rollout.engine={cfg.rollout.engine}: weight sync of adapters (merged or through "
-            "SGLang's LoRA API) is not built yet; use rollout.engine=embedded, which generates "
-            "with the adapters themselves",
+            f"rollout.engine={cfg.rollout.engine}: the backend does not generate with a LoRA "
+            "policy's adapters (its registry entry, rollout/backends.py); use "
+            "rollout.engine=embedded or sglang",
         ),
         (
             cfg.trainer.export_hf_every > 0,

@@ -98,7 +98,8 @@ class AdapterMapping(ModelMapping):
                     f"adapter {entry.key}{list(entry.index)} has shape {list(unit.shape)}, "
                     f"expected {list(entry.shape)}"
                 )
-            return [unit] * len(entry.hf_names)
+            # copies: a writer of files (safetensors) refuses tensors sharing memory
+            return [unit, *(unit.clone() for _ in entry.hf_names[1:])]
         return super().to_hf(entry, unit)
 
 
@@ -185,3 +186,20 @@ def merge_adapters(
         else:
             merged[name] = value.to(weight.dtype)
     return merged
+
+
+def peft_adapter_config(cfg: ModelConfig, lora: LoRASettings, base_model: str = "") -> dict:
+    """The `adapter_config.json` of these adapters in PEFT's format (a LoRA for causal LM)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": peft_target_modules(cfg, lora),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+    }
