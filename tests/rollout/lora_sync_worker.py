@@ -69,7 +69,10 @@ def hf_logprobs(model, batch) -> list[torch.Tensor]:
 
 
 def worst(a, b) -> float:
-    return max(float((torch.as_tensor(x) - torch.as_tensor(y)).abs().max()) for x, y in zip(a, b))
+    return max(
+        float((torch.as_tensor(x) - torch.as_tensor(y)).abs().max())
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def main() -> int:
