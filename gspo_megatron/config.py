@@ -890,13 +890,26 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
             "trainer.export_hf_every=0",
         ),
         (
-            cfg.algorithm.advantage == "gae",
-            "algorithm.advantage=gae: PPO's critic with a LoRA policy is not built yet",
+            cfg.algorithm.advantage == "gae"
+            and _critic_has_own_layout(cfg)
+            and not (cfg.critic.init_from or cfg.model.init_from),
+            "algorithm.advantage=gae, a critic.parallel layout of its own and neither "
+            "critic.init_from nor model.init_from: the critic (full-parameter) would start from "
+            "a scratch checkpoint of the policy, whose adapters a value model cannot load; set "
+            "critic.init_from or model.init_from, or leave critic.parallel at the policy's layout",
         ),
     ]
     for refused, reason in not_yet:
         if refused:
             raise ConfigError(f"lora.rank={lora.rank} with {reason} (docs/LORA.md)")
+
+
+def _critic_has_own_layout(cfg: RunConfig) -> bool:
+    """critic.parallel sets a key to other than the policy's value (its own process groups)."""
+    return any(
+        value is not None and value != getattr(cfg.parallel, name)
+        for name, value in dataclasses.asdict(cfg.critic.parallel).items()
+    )
 
 
 def _check_clip_scale(cfg: RunConfig) -> None:
