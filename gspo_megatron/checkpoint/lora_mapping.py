@@ -179,8 +179,7 @@ def merge_adapters(
             continue
         a, b = (adapters[n] for n in pairs[name])
         dtype = torch.promote_types(weight.dtype, torch.float32)
-        delta = (b.to(dtype) @ a.to(dtype)).mul_(scaling)
-        value = weight.to(dtype).add_(delta) if weight.dtype != dtype else weight + delta
+        value = torch.addmm(weight.to(dtype), b.to(dtype), a.to(dtype), alpha=scaling)
         if out is not None:
             merged[name] = out[name].copy_(value)
         else:
