@@ -329,19 +329,22 @@ def check_pinned_jobs(trainer) -> None:
 
 
 def perturb_adapters(trainer, scale: float = 0.05) -> None:
-    """A new LoRA policy version: the adapters moved, the base as it is."""
+    """A new LoRA policy version: what trains moved (the adapters, and the output layer trained
+    whole beside them), the base as it is."""
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
-        for name, p in trainer.unwrapped_chunks[0].named_parameters():
-            if name.endswith((".lora_a", ".lora_b")):
+        for p in trainer.unwrapped_chunks[0].parameters():
+            if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
 
 
 def check_lora_policy(trainer) -> None:
     """A LoRA policy: the process generates with the synced adapters (its log-probs equal the
     trainer's recompute with the adapters, and are far from the base model's); the base goes
-    with the first update only, the adapters with each."""
+    with the first update only, the adapters with each, and so does the output layer, trained
+    whole beside them (as lora.modules_to_save trains it)."""
     perturb_adapters(trainer, scale=0.3)  # B = 0 would make the adapters invisible
+    trainer.unwrapped_chunks[0].output_layer.weight.requires_grad_(True)
     engine, source = build_generator_process(run_config("one_step_off"), trainer, False)
     base_streams = []
     base_buckets = source.base.buckets
@@ -355,12 +358,14 @@ def check_lora_policy(trainer) -> None:
             ref = recomputed_logprobs(trainer, samples).logprobs
             report(f"lora_process_logprob_vs_trainer_v{version}", max_logprob_diff(samples, ref),
                    LORA_TOL)  # fmt: skip
-            with adapters_off(trainer.unwrapped_chunks):
+            with adapters_off(trainer.unwrapped_chunks):  # the trained output layer stays
                 base = recomputed_logprobs(trainer, samples).logprobs
             gap = max_logprob_diff(samples, base)
             report(f"lora_adapters_change_logprobs_v{version}", gap, ok=gap > 100 * LORA_TOL)
             perturb_adapters(trainer)
         report("lora_base_sent_once", len(base_streams), ok=len(base_streams) == 1)
+        trained = sorted(source.trained.hf_shapes()) if source.trained is not None else []
+        report("lora_trained_weights_synced", trained, ok=trained == ["lm_head.weight"])
     finally:
         engine.close()
 

@@ -17,7 +17,8 @@
   keep their version; a snapshot lets the running job finish;
 - a LoRA policy: the process merges the synced adapters, its log-probs equal the trainer's
   recompute with the adapters within 1e-5 over two versions (and differ from the base model's
-  by far more), and the base weights crossed with the first update only.
+  by far more), and the base weights crossed with the first update only; a whole weight
+  trained beside the adapters (the output layer) crosses with every update.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ CHECKS = [
     "lora_process_logprob_vs_trainer_v1",
     "lora_adapters_change_logprobs_v1",
     "lora_base_sent_once",
+    "lora_trained_weights_synced",
 ]
 
 

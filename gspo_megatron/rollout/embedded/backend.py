@@ -7,6 +7,7 @@ step. Registered in rollout/backends.py; it imports its engines when it builds o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from gspo_megatron.config_fields import ConfigError
@@ -47,6 +48,9 @@ def build_generator_process(cfg: RunConfig, policy: TrainingEngine, record_route
     if policy.lora is not None:
         source = LoRAWeightSource.from_engine(policy)
         shapes = {**source.base.hf_shapes(), **source.adapters.hf_shapes()}
+        if source.trained is not None:
+            trained = tuple(source.trained.hf_shapes())
+            settings = dataclasses.replace(settings, lora_trained=trained)
     else:
         source = MegatronWeightSource.from_engine(policy)
         shapes = source.hf_shapes()

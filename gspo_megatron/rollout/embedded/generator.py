@@ -95,6 +95,8 @@ class GeneratorSettings:
     threads: int = 1
     # a LoRA policy's alpha / rank: the process merges the adapters it is sent (None: no LoRA)
     lora_scaling: float | None = None
+    # a LoRA policy's whole weights trained beside the adapters (HF names): with every update
+    lora_trained: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -272,13 +274,13 @@ class GeneratorProcessEngine:
         """Stream the source's weights into the shared staging copy (every rank iterates the
         buckets), then publish `version` to the process. A LoRA policy's source
         (`settings.lora_scaling`; a `LoRAWeightSource`) streams its base with the first update
-        and its adapters with each."""
+        and its adapters (and whole weights trained beside them) with each."""
         if source is None:
             raise ValueError("the generator process needs a weight source")
         lora = self.settings.lora_scaling is not None
         streams = [source]
         if lora:
-            streams = [source.adapters] if self._base_sent else [source.base, source.adapters]
+            streams = source.updates() if self._base_sent else [source.base, *source.updates()]
         if not self.leader:
             for stream in streams:
                 for _ in stream.buckets(_BUCKET_BYTES):
@@ -303,6 +305,7 @@ class GeneratorProcessEngine:
             expected = set(self._staging)
             if self._base_sent:
                 expected = {n for n in expected if n.endswith((LORA_A, LORA_B))}
+                expected.update(self.settings.lora_trained)
             missing = sorted(expected - seen)
             if missing:
                 raise ValueError(f"the weight source sent no {missing[0]} ({len(missing)} missing)")
@@ -427,6 +430,7 @@ class ProcessGenerator:
         self.own = {name: torch.empty_like(t, device=self.device) for name, t in staging.items()}
         # a LoRA policy's: its adapters' names, and the merged weights the decoder reads
         self.adapter_names = [n for n in staging if n.endswith((LORA_A, LORA_B))]
+        self.updated_names = [*self.adapter_names, *settings.lora_trained]
         self.merged = {n: torch.empty_like(self.own[n]) for n in adapted_weights(self.own)}
         self.weight_version = -1
         self.weights = None
@@ -442,8 +446,9 @@ class ProcessGenerator:
         if self.published.value <= self.weight_version:
             return False
         lora = self.settings.lora_scaling is not None
-        # a LoRA policy's base is published once, with the first version: later, adapters only
-        names = self.adapter_names if lora and self.weight_version >= 0 else self.staging
+        # a LoRA policy's base is published once, with the first version: later, the adapters
+        # and the whole weights trained beside them only
+        names = self.updated_names if lora and self.weight_version >= 0 else self.staging
         with self.lock:
             version = self.published.value
             for name in names:
