@@ -949,9 +949,9 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
         ),
         (
             not rollout_backend(cfg.rollout.engine).generates_with_adapters,
-            f"rollout.engine={cfg.rollout.engine}: weight sync of adapters (merged or through "
-            "SGLang's LoRA API) is not built yet; use rollout.engine=embedded, which generates "
-            "with the adapters themselves",
+            f"rollout.engine={cfg.rollout.engine}: the backend does not generate with a LoRA "
+            "policy's adapters (its registry entry, rollout/backends.py); use "
+            "rollout.engine=embedded or sglang",
         ),
         (
             cfg.trainer.export_hf_every > 0,
@@ -960,19 +960,26 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
             "trainer.export_hf_every=0",
         ),
         (
-            cfg.rollout.mode != "sync",
-            f"rollout.mode={cfg.rollout.mode}: the embedded generator process receives the "
-            "policy's weights in Hugging Face form, which does not carry adapters yet; use "
-            "rollout.mode=sync",
-        ),
-        (
-            cfg.algorithm.advantage == "gae",
-            "algorithm.advantage=gae: PPO's critic with a LoRA policy is not built yet",
+            cfg.algorithm.advantage == "gae"
+            and _critic_has_own_layout(cfg)
+            and not (cfg.critic.init_from or cfg.model.init_from),
+            "algorithm.advantage=gae, a critic.parallel layout of its own and neither "
+            "critic.init_from nor model.init_from: the critic (full-parameter) would start from "
+            "a scratch checkpoint of the policy, whose adapters a value model cannot load; set "
+            "critic.init_from or model.init_from, or leave critic.parallel at the policy's layout",
         ),
     ]
     for refused, reason in not_yet:
         if refused:
             raise ConfigError(f"lora.rank={lora.rank} with {reason} (docs/LORA.md)")
+
+
+def _critic_has_own_layout(cfg: RunConfig) -> bool:
+    """critic.parallel sets a key to other than the policy's value (its own process groups)."""
+    return any(
+        value is not None and value != getattr(cfg.parallel, name)
+        for name, value in dataclasses.asdict(cfg.critic.parallel).items()
+    )
 
 
 def _check_clip_scale(cfg: RunConfig) -> None:

@@ -64,6 +64,8 @@ class MegatronWeightSource:
     dtype: cast exported tensors to this dtype (default: keep each parameter's dtype).
     sender: the global rank that receives the buckets (it alone sees tensors; the others
     iterate the same buckets, yielding empty lists, because the gathering is collective).
+    mapping: what to export (default: the model's weights, `get_mapping`; a LoRA policy's
+    adapters have their own, checkpoint/lora_mapping.py, over chunks that show only them).
     """
 
     def __init__(
@@ -73,9 +75,10 @@ class MegatronWeightSource:
         *,
         dtype: torch.dtype | None = None,
         sender: int = 0,
+        mapping: ModelMapping | None = None,
     ) -> None:
         self.chunks = list(chunks)
-        self.mapping: ModelMapping = get_mapping(model_config)
+        self.mapping: ModelMapping = mapping or get_mapping(model_config)
         self.dtype = dtype
         self.sender = sender
         self._pieces: list[_Piece] | None = None

@@ -142,7 +142,9 @@ class RolloutBackend:
     records_routes: Callable[[Any], bool] = _routes_under_r3
     route_setting: str = "algorithm.routing_replay=r3"
     # Generates with a LoRA policy's adapters (lora.rank): the embedded engine runs the policy's
-    # own model; a server would need the adapters synced (docs/LORA.md).
+    # own model (in process) or merges the adapters it is sent (generator process); SGLang is
+    # sent the merged weights (rollout.sglang.lora_sync). A backend without it is refused with
+    # LoRA at config time (docs/LORA.md, "Weight sync").
     generates_with_adapters: bool = False
 
 

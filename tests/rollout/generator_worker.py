@@ -26,6 +26,7 @@ if __name__ == "__main__":
 
     from gspo_megatron.config import RunConfig
     from gspo_megatron.megatron import parallel
+    from gspo_megatron.megatron.lora import adapters_off
     from gspo_megatron.megatron.training_engine import TrainingEngine
     from gspo_megatron.megatron.weight_export import MegatronWeightSource
     from gspo_megatron.rollout.base import SamplingParams
@@ -34,11 +35,15 @@ if __name__ == "__main__":
     from gspo_megatron.rollout.embedded.generator import GeneratorProcessError, ProcessGenerator
     from gspo_megatron.rollout.embedded.in_process import EmbeddedEngine
     from gspo_megatron.spec.layout import ParallelLayout
+    from gspo_megatron.spec.lora import LoRASettings
     from gspo_megatron.spec.model_config import load_preset
     from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 MAX_LEN = 48
 TOL = 1e-6  # float32 log-probs: generator process vs the trainer's recompute
+# A LoRA policy: the process decodes merged weights (W + s * B @ A), the trainer computes
+# W x + s * B (A x); the two orders of float32 rounding differ by ~1e-6 in the log-probs.
+LORA_TOL = 1e-5
 
 
 def run_config(mode: str) -> RunConfig:
@@ -323,6 +328,48 @@ def check_pinned_jobs(trainer) -> None:
         engine.close()
 
 
+def perturb_adapters(trainer, scale: float = 0.05) -> None:
+    """A new LoRA policy version: what trains moved (the adapters, and the output layer trained
+    whole beside them), the base as it is."""
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in trainer.unwrapped_chunks[0].parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale)
+
+
+def check_lora_policy(trainer) -> None:
+    """A LoRA policy: the process generates with the synced adapters (its log-probs equal the
+    trainer's recompute with the adapters, and are far from the base model's); the base goes
+    with the first update only, the adapters with each, and so does the output layer, trained
+    whole beside them (as lora.modules_to_save trains it)."""
+    perturb_adapters(trainer, scale=0.3)  # B = 0 would make the adapters invisible
+    trainer.unwrapped_chunks[0].output_layer.weight.requires_grad_(True)
+    engine, source = build_generator_process(run_config("one_step_off"), trainer, False)
+    base_streams = []
+    base_buckets = source.base.buckets
+    source.base.buckets = lambda size: (base_streams.append(size), base_buckets(size))[1]
+    prompts = make_prompts(5, seed=17, vocab=trainer.model_config.vocab_size)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    try:
+        for version in range(2):
+            engine.update_weights(source, version)
+            samples = flat(engine.generate(prompts, 3, params))
+            ref = recomputed_logprobs(trainer, samples).logprobs
+            report(f"lora_process_logprob_vs_trainer_v{version}", max_logprob_diff(samples, ref),
+                   LORA_TOL)  # fmt: skip
+            with adapters_off(trainer.unwrapped_chunks):  # the trained output layer stays
+                base = recomputed_logprobs(trainer, samples).logprobs
+            gap = max_logprob_diff(samples, base)
+            report(f"lora_adapters_change_logprobs_v{version}", gap, ok=gap > 100 * LORA_TOL)
+            perturb_adapters(trainer)
+        report("lora_base_sent_once", len(base_streams), ok=len(base_streams) == 1)
+        trained = sorted(source.trained.hf_shapes()) if source.trained is not None else []
+        report("lora_trained_weights_synced", trained, ok=trained == ["lm_head.weight"])
+    finally:
+        engine.close()
+
+
 def main() -> int:
     warnings.filterwarnings("ignore")
     layout = ParallelLayout(world_size=1)
@@ -341,6 +388,15 @@ def main() -> int:
     check_snapshot_and_resume(trainer)
     check_pinned_jobs(trainer)
     trainer.close()
+    policy = TrainingEngine(
+        load_preset("tiny_moe"),
+        layout,
+        EngineSettings(max_sequence_length=MAX_LEN),
+        OptimizerSettings(lr=3e-3),
+        lora=LoRASettings(rank=4),
+    )
+    check_lora_policy(policy)
+    policy.close()
     parallel.destroy()
     return 0
 

@@ -87,16 +87,17 @@ def test_refused(overrides, message):
         (["lora.rank=8", "lora.dropout=0.1"],
          "lora.rank=8 with lora.dropout=0.1: adapter dropout is not built yet"),
         (["lora.rank=8", "engine.use_te=true"], "lora.rank=8 with engine.use_te=true"),
-        (["lora.rank=8", "rollout=sglang"],
-         "lora.rank=8 with rollout.engine=sglang: weight sync of adapters"),
-        (["lora.rank=8", "rollout.mode=async"], "lora.rank=8 with rollout.mode=async"),
-        (["lora.rank=8", "algorithm=ppo"], "lora.rank=8 with algorithm.advantage=gae"),
+        (["lora.rank=8", "rollout=sglang", "rollout.sglang.lora_sync=adapter"],
+         "rollout.sglang.lora_sync=adapter with lora.rank=8: syncing the adapters through "
+         "SGLang's LoRA API"),
+        (["rollout=sglang", "rollout.sglang.lora_sync=adapter"],
+         "rollout.sglang.lora_sync=adapter with lora.rank=null: there are no adapters to sync"),
         (["lora.rank=8", "trainer.export_hf_every=5"],
          "lora.rank=8 with trainer.export_hf_every=5: the Hugging Face export of a LoRA policy"),
     ],
     ids=["rank-0", "rank-negative", "alpha-without-rank", "dense-target-on-moe",
          "expert-target-on-dense", "router", "unknown-target", "no-targets", "dropout", "te",
-         "sglang", "async", "ppo-critic", "hf-export"],
+         "sglang-adapter", "sglang-adapter-without-lora", "hf-export"],
 )  # fmt: skip
 def test_lora_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -113,9 +114,30 @@ def test_lora_resolves_on_moe_and_dense_models():
         "attention.linear_qkv", "attention.linear_proj", "experts.linear_fc1",
         "experts.linear_fc2",
     }  # fmt: skip
+    for mode in ("one_step_off", "async"):  # the generator process merges the adapters
+        assert resolved("lora.rank=8", f"rollout.mode={mode}")[0].rollout.mode == mode
+    # SGLang is sent the merged weights
+    raw = compose(["lora.rank=8", "rollout=sglang"])
+    assert resolve(raw, 1, check_inputs=False)[0].rollout.sglang.lora_sync == "merged"
     raw = compose(["model=tiny_dense", "lora.rank=2", "lora.targets=[mlp.linear_fc2]"])
     cfg, model, _ = resolve(raw, 1)
     assert resolve_targets(cfg.lora.targets, model.is_moe) == {"mlp.linear_fc2"}
+
+
+def test_ppo_critic_with_a_lora_policy():
+    """The critic trains full-parameter from the policy's base; on a layout of its own it would
+    start from a scratch checkpoint of the LoRA policy, refused unless it has weights to read."""
+    assert resolved("lora.rank=8", "algorithm=ppo")[0].algorithm.advantage == "gae"
+    own = ["lora.rank=8", "algorithm=ppo", "critic.parallel.ep=2"]
+    with pytest.raises(ConfigError) as err:
+        resolve(compose(own), 2, check_inputs=False)
+    assert "lora.rank=8 with algorithm.advantage=gae, a critic.parallel layout of its own" in str(
+        err.value
+    )
+    cfg, _, _ = resolve(
+        compose([*own, "critic.init_from=/some/value_model"]), 2, check_inputs=False
+    )
+    assert cfg.critic.init_from == "/some/value_model"
 
 
 def test_the_code_experiment_resolves():

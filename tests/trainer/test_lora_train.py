@@ -54,3 +54,22 @@ def test_lora_run_with_kl_reference_resumes_exactly(tmp_path):
     final = checkpoint_tensors(resumed / "checkpoints" / "step_000004")
     assert final.keys() == at_4.keys()
     assert all(torch.equal(final[k], at_4[k]) for k in at_4)
+
+
+@pytest.mark.slow
+def test_ppo_with_a_lora_policy_trains_a_full_parameter_critic(tmp_path):
+    """algorithm.advantage=gae with LoRA: the critic starts from the policy's base weights and
+    trains every weight (no adapters); the policy trains its adapters only."""
+    run = tmp_path / "ppo"
+    train(run, "algorithm=ppo", "lora.rank=4", "trainer.steps=2", "trainer.save_every=1",
+          "eval.every=0")  # fmt: skip
+    assert all(math.isfinite(r["critic/value_loss"]) for r in read_metrics(run))
+    steps = [run / "checkpoints" / f"step_00000{i}" for i in (1, 2)]
+    policy = [checkpoint_tensors(s) for s in steps]
+    critic = [checkpoint_tensors(s / "critic") for s in steps]
+    assert not [k for k in critic[1] if k.endswith((".lora_a", ".lora_b"))]
+    moved = [k for k in critic[1] if not torch.equal(critic[1][k], critic[0][k])]
+    assert "decoder.layers.self_attention.linear_qkv.weight" in moved, moved
+    for key, value in policy[1].items():
+        adapter = key.endswith((".lora_a", ".lora_b"))
+        assert torch.equal(value, policy[0][key]) != adapter, key

@@ -7,6 +7,7 @@ step. Registered in rollout/backends.py; it imports its engines when it builds o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from gspo_megatron.config_fields import ConfigError
@@ -37,14 +38,24 @@ def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
 
 def build_generator_process(cfg: RunConfig, policy: TrainingEngine, record_routes: bool):
     """The embedded engine's asynchronous form (rollout.mode one_step_off / async) and the
-    weight source it copies from; rank 0 starts the process."""
+    weight source it copies from; rank 0 starts the process. A LoRA policy's source is its
+    base and its adapters (megatron/lora_sync.py), merged in the process."""
+    from gspo_megatron.megatron.lora_sync import LoRAWeightSource
     from gspo_megatron.megatron.weight_export import MegatronWeightSource
     from gspo_megatron.rollout.embedded.generator import GeneratorProcessEngine
 
-    source = MegatronWeightSource.from_engine(policy)
     settings, rope = generator_settings(cfg, policy, record_routes)
     dtype = policy.config.params_dtype
-    weights = {name: (shape, dtype) for name, shape in source.hf_shapes().items()}
+    if policy.lora is not None:
+        source = LoRAWeightSource.from_engine(policy)
+        shapes = {**source.base.hf_shapes(), **source.adapters.hf_shapes()}
+        if source.trained is not None:
+            trained = tuple(source.trained.hf_shapes())
+            settings = dataclasses.replace(settings, lora_trained=trained)
+    else:
+        source = MegatronWeightSource.from_engine(policy)
+        shapes = source.hf_shapes()
+    weights = {name: (shape, dtype) for name, shape in shapes.items()}
     return GeneratorProcessEngine(settings, weights, rope, leader=source.is_sender()), source
 
 
@@ -78,6 +89,7 @@ def generator_settings(cfg: RunConfig, policy: TrainingEngine, record_routes: bo
         partial=cfg.rollout.mode == "async" and not cfg.rollout.pin_versions,
         seed=cfg.seed,
         device=str(accelerator()) if torch.cuda.is_available() else "cpu",
+        lora_scaling=policy.lora.scaling if policy.lora is not None else None,
     )
     return settings, model.rotary_pos_emb.get_emb(max_length)[:, 0, 0, :].cpu()
 

@@ -14,6 +14,11 @@ memory:
     rows' tokens so far are fed again under the new weights and generation goes on (a partial
     rollout; `GenerationBatch`). Each response token records the version that sampled it.
 
+A LoRA policy (`lora_scaling` set) sends its frozen base weights with the first update only and
+its adapters (PEFT-named, megatron/lora_sync.py) with every one; the process merges them,
+base + alpha/r * B @ A, each time it takes new weights, so the decoder runs the adapted policy
+at the base's cost per token (docs/LORA.md, "Weight sync").
+
 Jobs carry `min_version`: the process starts a job only with weights at least that new (the
 staleness bound; it waits for them otherwise), evaluation jobs go before queued training jobs,
 and each result reports how long the process waited for jobs and for weights.
@@ -47,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo_megatron.checkpoint.lora_mapping import LORA_A, LORA_B, adapted_weights, merge_adapters
 from gspo_megatron.rollout.base import (
     JobProgress,
     JobStats,
@@ -87,6 +93,10 @@ class GeneratorSettings:
     seed: int  # for calls without SamplingParams.seed
     device: str = "cpu"
     threads: int = 1
+    # a LoRA policy's alpha / rank: the process merges the adapters it is sent (None: no LoRA)
+    lora_scaling: float | None = None
+    # a LoRA policy's whole weights trained beside the adapters (HF names): with every update
+    lora_trained: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -116,8 +126,9 @@ class _Suspended(Exception):
 class GeneratorProcessEngine:
     """A `ServerRolloutEngine` whose generation runs in a process of its own, on rank 0.
 
-    `weights` names every tensor the source streams, with its shape and dtype; `rope_table`
-    holds the trainer's RoPE angles [max positions, head dim]. Every rank builds one (the
+    `weights` names every tensor the source streams, with its shape and dtype (a LoRA policy's:
+    the base's and the adapters', `LoRAWeightSource`); `rope_table` holds the trainer's RoPE
+    angles [max positions, head dim]. Every rank builds one (the
     weight source's gathers are collective); only `leader` starts the process.
     """
 
@@ -147,6 +158,7 @@ class GeneratorProcessEngine:
         self._changed = threading.Condition()  # guards the three dicts above
         self._closed = False
         self._gone: str | None = None  # why the process can generate nothing more
+        self._base_sent = False  # a LoRA policy's base weights went with an update
         if not leader:
             return
         ctx = torch.multiprocessing.get_context("spawn")
@@ -263,31 +275,45 @@ class GeneratorProcessEngine:
         self, source: WeightSource | None, version: int, urls: Sequence[str] | None = None
     ) -> None:
         """Stream the source's weights into the shared staging copy (every rank iterates the
-        buckets), then publish `version` to the process."""
+        buckets), then publish `version` to the process. A LoRA policy's source
+        (`settings.lora_scaling`; a `LoRAWeightSource`) streams its base with the first update
+        and its adapters (and whole weights trained beside them) with each."""
         if source is None:
             raise ValueError("the generator process needs a weight source")
+        lora = self.settings.lora_scaling is not None
+        streams = [source]
+        if lora:
+            streams = source.updates() if self._base_sent else [source.base, *source.updates()]
         if not self.leader:
-            for _ in source.buckets(_BUCKET_BYTES):
-                pass
+            for stream in streams:
+                for _ in stream.buckets(_BUCKET_BYTES):
+                    pass
+            self._base_sent = lora
             self.version = version
             return
         self._wait_for_pinned_jobs(version)
         with self._lock:
             seen = set()
-            for bucket in source.buckets(_BUCKET_BYTES):
-                for name, tensor in bucket:
-                    target = self._staging.get(name)
-                    if target is None or target.shape != tensor.shape:
-                        raise ValueError(
-                            f"weight {name} {list(tensor.shape)} does not match the generator "
-                            "process's copy of the policy"
-                        )
-                    target.copy_(tensor)
-                    seen.add(name)
-            missing = sorted(set(self._staging) - seen)
+            for stream in streams:
+                for bucket in stream.buckets(_BUCKET_BYTES):
+                    for name, tensor in bucket:
+                        target = self._staging.get(name)
+                        if target is None or target.shape != tensor.shape:
+                            raise ValueError(
+                                f"weight {name} {list(tensor.shape)} does not match the "
+                                "generator process's copy of the policy"
+                            )
+                        target.copy_(tensor)
+                        seen.add(name)
+            expected = set(self._staging)
+            if self._base_sent:
+                expected = {n for n in expected if n.endswith((LORA_A, LORA_B))}
+                expected.update(self.settings.lora_trained)
+            missing = sorted(expected - seen)
             if missing:
                 raise ValueError(f"the weight source sent no {missing[0]} ({len(missing)} missing)")
             self._published.value = version
+        self._base_sent = lora
         self.version = version
 
     def fault_metrics(self) -> dict[str, float]:
@@ -405,6 +431,10 @@ class ProcessGenerator:
         self.staging, self.lock, self.published = staging, lock, published
         self.rope_table = rope_table.to(self.device)
         self.own = {name: torch.empty_like(t, device=self.device) for name, t in staging.items()}
+        # a LoRA policy's: its adapters' names, and the merged weights the decoder reads
+        self.adapter_names = [n for n in staging if n.endswith((LORA_A, LORA_B))]
+        self.updated_names = [*self.adapter_names, *settings.lora_trained]
+        self.merged = {n: torch.empty_like(self.own[n]) for n in adapted_weights(self.own)}
         self.weight_version = -1
         self.weights = None
         self.decoder = TorchDecoder(settings.spec, lambda: self.weights, settings.record_routes)
@@ -420,13 +450,25 @@ class ProcessGenerator:
         """Copy the published weights if they are newer than ours; True when they were."""
         if self.published.value <= self.weight_version:
             return False
+        lora = self.settings.lora_scaling is not None
+        # a LoRA policy's base is published once, with the first version: later, the adapters
+        # and the whole weights trained beside them only
+        names = self.updated_names if lora and self.weight_version >= 0 else self.staging
         with self.lock:
             version = self.published.value
-            for name, tensor in self.staging.items():
-                self.own[name].copy_(tensor)
+            for name in names:
+                self.own[name].copy_(self.staging[name])
         self.weight_version = version
+        weights = self.own
+        if lora:
+            weights = merge_adapters(
+                self.own,
+                {n: self.own[n] for n in self.adapter_names},
+                self.settings.lora_scaling,
+                out=self.merged,
+            )
         self.weights = hf_decoder_weights(
-            self.own, self.settings.model, self.settings.spec, self.rope_table
+            weights, self.settings.model, self.settings.spec, self.rope_table
         )
         return True
 

@@ -24,13 +24,18 @@ OFFLOADED_SERVER_GIB = 2.0
 
 def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
     """The engine (rank 0, the weights' sender, launches and drives the servers:
-    rollout/driver.py) and the policy's weights as HF-named buckets. The leader records the
-    servers' released memory in the run directory (docs/SGLANG.md, "Server memory")."""
+    rollout/driver.py) and the policy's weights as HF-named buckets (a LoRA policy's merged:
+    rollout.sglang.lora_sync=merged). The leader records the servers' released memory in the
+    run directory (docs/SGLANG.md, "Server memory")."""
+    from gspo_megatron.megatron.lora_sync import LoRAWeightSource
     from gspo_megatron.megatron.weight_export import MegatronWeightSource
     from gspo_megatron.rollout.sglang.engine import SGLangEngine
     from gspo_megatron.rollout.sglang.memory import RECORD_FILE
 
-    source = MegatronWeightSource.from_engine(policy)
+    if policy.lora is not None:
+        source = LoRAWeightSource.from_engine(policy)  # check(): lora_sync=merged
+    else:
+        source = MegatronWeightSource.from_engine(policy)
     engine = SGLangEngine(
         cfg.rollout.sglang,
         leader=source.is_sender(),
@@ -74,6 +79,19 @@ def check(cfg: RunConfig) -> None:
             "engine's runs deterministic; servers are not (their batching changes the numbers), "
             "and a server holds only its newest weights. Leave it false (one_step_off waits for "
             "the requests running before each update: one version per batch)"
+        )
+    if sglang.lora_sync == "adapter":
+        if not cfg.lora.enabled:
+            raise ConfigError(
+                "rollout.sglang.lora_sync=adapter with lora.rank=null: there are no adapters to "
+                "sync (the key chooses how a LoRA policy's weights reach the servers)"
+            )
+        raise ConfigError(
+            f"rollout.sglang.lora_sync=adapter with lora.rank={cfg.lora.rank}: syncing the "
+            "adapters through SGLang's LoRA API (/load_lora_adapter with a PEFT directory per "
+            "version, lora_path on every /generate) is not built yet; lora_sync=merged sends "
+            "base + alpha/r * B @ A through rollout.sglang.weight_sync (docs/LORA.md, "
+            '"Weight sync")'
         )
     if mode != "sync" and sglang.offload_after_generate:
         raise ConfigError(
@@ -122,4 +140,5 @@ SGLANG = RolloutBackend(
     describe=describe,
     records_routes=lambda cfg: cfg.rollout.sglang.return_routed_experts,
     route_setting="rollout.sglang.return_routed_experts=true",
+    generates_with_adapters=True,  # merged into the weights it is sent (lora_sync=merged)
 )

@@ -105,6 +105,10 @@ class SGLangEngineConfig:
     # the model directory whose config/tokenizer files are copied next to them.
     disk_dir: str | None = None
     disk_base_model_path: str | None = None
+    # A LoRA policy (lora.rank): merged = base + alpha/r * B @ A sent through weight_sync like
+    # full weights; adapter = the adapters through SGLang's LoRA API (not built yet: refused by
+    # the backend's check). docs/LORA.md, "Weight sync".
+    lora_sync: str = choice("merged", "adapter")
 
     def validate(self, *, servers: bool = True) -> None:
         """Ranges and choices of every key (the launch entries' too), and the keys that only
