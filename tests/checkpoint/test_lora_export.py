@@ -28,6 +28,7 @@ from gspo_megatron.checkpoint.convert import (
 from gspo_megatron.checkpoint.lora_export import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from gspo_megatron.megatron.verify import transformers_logprobs
 
+pytestmark = pytest.mark.slow  # ~45 s on 2 cores: three Adam steps, then transformers and peft
 WORKER = Path(__file__).resolve().parent / "lora_export_worker.py"
 TOLERANCE = 1e-5
 
