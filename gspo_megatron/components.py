@@ -243,7 +243,8 @@ def init_weights(engine, source: str) -> None:
             raise ConfigError(
                 f"model.init_from={source} holds LoRA adapters (lora.rank={lora['rank']}): "
                 "starting or evaluating from a LoRA checkpoint is not built yet; its run resumes "
-                "with trainer.resume (docs/LORA.md)"
+                "with trainer.resume, or start from its merged conversion "
+                "(tools/convert_megatron_to_hf.py; docs/LORA.md)"
             )
         load_engine_weights(engine, path)
         return

@@ -32,7 +32,7 @@ from gspo_megatron.rewards.registry import RewardConfig
 from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
 from gspo_megatron.spec.layout import ParallelLayout
-from gspo_megatron.spec.lora import LoRASettings, resolve_targets
+from gspo_megatron.spec.lora import LoRASettings, resolve_modules_to_save, resolve_targets
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
@@ -939,9 +939,17 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
         return
     try:
         resolve_targets(lora.targets, model.is_moe)
+        resolve_modules_to_save(lora.modules_to_save, model.tie_word_embeddings)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    kl = cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0
     not_yet = [
+        (
+            kl and bool(lora.modules_to_save),
+            f"lora.modules_to_save={lora.modules_to_save} and a KL penalty "
+            "(algorithm.kl_coef / kl_reward_coef): the KL reference is the base model with the "
+            "adapters off, which is not the initial policy once whole weights train too",
+        ),
         (lora.dropout > 0, f"lora.dropout={lora.dropout:g}: adapter dropout is not built yet"),
         (
             cfg.engine.use_te is True,
@@ -956,8 +964,9 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
         (
             cfg.trainer.export_hf_every > 0,
             f"trainer.export_hf_every={cfg.trainer.export_hf_every}: the Hugging Face export of "
-            "a LoRA policy (merged, or as a PEFT adapter) is not built yet; set "
-            "trainer.export_hf_every=0",
+            "a LoRA policy beside each checkpoint is not built yet; set "
+            "trainer.export_hf_every=0 and convert a checkpoint with "
+            "tools/convert_megatron_to_hf.py (merged, or --peft for the adapter)",
         ),
         (
             cfg.algorithm.advantage == "gae"

@@ -79,6 +79,7 @@ class StageParams:
     # LoRA adapters (lora.rank): the only trained parameters when there are any
     adapter_dense: int = 0
     adapter_expert: int = 0
+    saved_dense: int = 0  # of `dense`: whole weights trained beside them (lora.modules_to_save)
 
     @property
     def total(self) -> int:
@@ -88,7 +89,7 @@ class StageParams:
     def trained(self) -> tuple[int, int]:
         """(dense, expert) parameters with gradients and optimizer state."""
         if self.adapter_dense or self.adapter_expert:
-            return self.adapter_dense, self.adapter_expert
+            return self.adapter_dense + self.saved_dense, self.adapter_expert
         return self.dense, self.expert
 
 
@@ -162,14 +163,19 @@ def stage_params(
         )
         adapter_dense, adapter_expert = adapter_dense * layers, adapter_expert * layers
     vocab_rows = model.padded_vocab_size(layout.tp) // layout.tp * model.hidden_size
+    saved = set(lora.modules_to_save) if lora is not None and lora.enabled else set()
+    saved_dense = 0
     if stage == 0:
         dense += vocab_rows  # embedding.word_embeddings
+        saved_dense += vocab_rows if "embedding" in saved else 0
     if stage == layout.pp - 1:
         dense += model.hidden_size  # decoder.final_layernorm
+        saved_dense += model.hidden_size if "final_norm" in saved else 0
         if not model.tie_word_embeddings or layout.pp > 1:
             # Untied output layer; with tied embeddings and pp > 1 megatron keeps a copy of the
             # embedding on the last stage (kept equal by an all-reduce of its gradient).
             dense += vocab_rows
+            saved_dense += vocab_rows if "output_layer" in saved else 0
     return StageParams(
         stage=stage,
         layers=layers,
@@ -177,6 +183,7 @@ def stage_params(
         expert=expert,
         adapter_dense=adapter_dense,
         adapter_expert=adapter_expert,
+        saved_dense=saved_dense,
     )
 
 

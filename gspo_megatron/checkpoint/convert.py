@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from gspo_megatron.checkpoint import manifest, torch_dist
+from gspo_megatron.checkpoint import lora_export, manifest, torch_dist
 from gspo_megatron.checkpoint.hf_io import (
     HFCheckpoint,
     ShardedSafetensorsWriter,
@@ -64,6 +64,7 @@ from gspo_megatron.checkpoint.meta import (
     write_meta,
 )
 from gspo_megatron.spec.layout import ParallelLayout
+from gspo_megatron.spec.lora import SAVED_MODULES
 from gspo_megatron.spec.model_config import ModelConfig
 
 HF_FILES_DIR = "hf_files"  # original config.json and tokenizer files inside a megatron ckpt
@@ -351,6 +352,7 @@ def convert_megatron_to_hf(
     verify: Verifier | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     read_bytes: int = DEFAULT_READ_BYTES,
+    lora_weights: str = "merged",
 ) -> ConversionReport:
     """Megatron torch_dist checkpoint (any layout it was saved on) -> HF safetensors dir.
 
@@ -358,6 +360,10 @@ def convert_megatron_to_hf(
     dtype: bf16/fp16/fp32; default: the dtype the checkpoint stores.
     A checkpoint whose `output_layer.weight` is [1, hidden] (a value / reward model) is
     written as `*ForSequenceClassification` with one label (`score.weight`).
+    lora_weights, for a checkpoint with LoRA adapters: `merged` writes base + alpha/r · B @ A
+    (the policy the run trained), `base` the frozen base weights without the adapters (what
+    the PEFT adapter of `export_peft_adapter` loads onto; a weight of lora.modules_to_save is
+    written as trained). Refused for a checkpoint without adapters unless `merged`.
     """
     src = Path(megatron_dir)
     with PeakRSS() as mem:
@@ -371,11 +377,7 @@ def convert_megatron_to_hf(
             raise ConversionError(
                 f"{src}: no {META_FILE}; pass --hf-config with the model's config.json"
             )
-        if is_checkpoint(src) and read_meta(src).get("lora"):
-            raise ConversionError(
-                f"{src} holds LoRA adapters: converting it would write the base weights without "
-                "them; the merged and PEFT exports are not built yet (docs/LORA.md)"
-            )
+        lora = _lora_of(src, lora_weights)
         if base_config is None and (src / HF_FILES_DIR / "config.json").is_file():
             base_config = json.loads((src / HF_FILES_DIR / "config.json").read_text())
         problems = manifest.verify(src, required=False)
@@ -391,6 +393,11 @@ def convert_megatron_to_hf(
             )
         mapping = get_mapping(cfg, value_head=value_head)
         check_megatron_checkpoint(reader, mapping)
+        adapted = (
+            set(lora_export.adapted_weight_keys(lora, cfg.is_moe))
+            if lora and lora_weights == "merged"
+            else set()
+        )
         stored = reader.tensor(mapping.entries[0].key).properties.dtype
         target = parse_dtype(dtype) if dtype else stored
         plan = [
@@ -415,6 +422,8 @@ def convert_megatron_to_hf(
             try:
                 for bucket in _read_buckets(mapping, read_bytes, stored.itemsize):
                     units = reader.read([_read_requests(e, mapping) for e in bucket])
+                    if adapted:
+                        units = _merge_adapters(reader, mapping, bucket, units, adapted, lora)
                     for entry, unit in zip(bucket, units, strict=True):
                         # vocab units were read without their padding rows: already HF's
                         tensors = (
@@ -446,9 +455,147 @@ def convert_megatron_to_hf(
             report.bytes_written = torch_dist.directory_bytes(tmp)
             report.seconds = time.perf_counter() - t0
             if verify is not None:
+                # a base export is the checkpoint's model with its adapters off
+                adapters = {"adapters": False} if lora and lora_weights == "base" else {}
                 report.verified, report.verify_max_abs_diff = verify(
-                    tmp, src, cfg, target, value_head
+                    tmp, src, cfg, target, value_head, **adapters
                 )
+    report.peak_rss = mem.peak
+    return report
+
+
+LORA_WEIGHTS = ("merged", "base")
+
+
+def _lora_of(src: Path, lora_weights: str) -> dict[str, Any] | None:
+    """The `lora` section of a checkpoint's metadata (None: no adapters), `lora_weights`
+    checked against it."""
+    if lora_weights not in LORA_WEIGHTS:
+        raise ConversionError(f"--lora-weights {lora_weights!r}: one of {list(LORA_WEIGHTS)}")
+    lora = read_meta(src).get("lora") if is_checkpoint(src) else None
+    if not lora and lora_weights != "merged":
+        raise ConversionError(f"--lora-weights {lora_weights}: {src} holds no LoRA adapters")
+    return lora
+
+
+def _adapter_requests(
+    reader: torch_dist.TorchDistCheckpoint, mapping: ModelMapping, entry: TensorMapping
+) -> list[tuple[str, tuple, tuple, int]]:
+    """Read requests of the A and B adapting one megatron unit (whole, as the checkpoint stores
+    them whatever the layout it was saved on)."""
+    stacked = len(mapping.keys[entry.key].stacked)
+    requests = []
+    for key in lora_export.adapter_keys(entry.key):
+        md = reader.tensor(key)
+        if md is None:
+            raise ConversionError(f"{reader.path}: LoRA checkpoint has no tensor {key}")
+        unit = tuple(md.size)[stacked:]
+        requests.append((key, entry.index + (0,) * len(unit), (1,) * stacked + unit, stacked))
+    return requests
+
+
+def _adapters(reader, mapping, entries: list[TensorMapping]) -> list[tuple]:
+    """(A, B) of each unit of `entries`, read together."""
+    requests = [r for e in entries for r in _adapter_requests(reader, mapping, e)]
+    stacked = [len(mapping.keys[e.key].stacked) for e in entries]
+    read = reader.read(requests)
+    return [
+        (
+            read[2 * i].reshape(read[2 * i].shape[n:]),
+            read[2 * i + 1].reshape(read[2 * i + 1].shape[n:]),
+        )
+        for i, n in enumerate(stacked)
+    ]
+
+
+def _merge_adapters(reader, mapping, bucket, units, adapted: set[str], lora) -> list:
+    """`units` (megatron layout) with each adapted one's alpha/r · B @ A added."""
+    targets = [e for e in bucket if e.key in adapted]
+    pairs = dict(zip(map(id, targets), _adapters(reader, mapping, targets), strict=True))
+    scale = lora_export.scaling(lora)
+    out = []
+    for entry, unit in zip(bucket, units, strict=True):
+        if id(entry) in pairs:
+            a, b = pairs[id(entry)]
+            unit = lora_export.merged(unit.reshape(entry.shape), a, b, scale)
+        out.append(unit)
+    return out
+
+
+def export_peft_adapter(
+    megatron_dir: str | Path,
+    output: str | Path,
+    *,
+    base_model: str | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> ConversionReport:
+    """A LoRA checkpoint's adapters -> a Hugging Face PEFT adapter directory
+    (`adapter_model.safetensors`, `adapter_config.json`; checkpoint/lora_export.py), which
+    `peft.PeftModel.from_pretrained` loads onto the transformers model of the base (the run's
+    `model.init_from`, or `convert_megatron_to_hf(..., lora_weights="base")`). base_model:
+    what adapter_config.json names as `base_model_name_or_path`. Whole trained weights
+    (lora.modules_to_save) are saved as PEFT saves its modules_to_save."""
+    from safetensors.torch import save_file
+
+    src = Path(megatron_dir)
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        if not is_checkpoint(src):
+            raise ConversionError(f"{src}: no {META_FILE}; not a gspo checkpoint")
+        meta = read_meta(src)
+        lora = meta.get("lora")
+        if not lora:
+            raise ConversionError(f"{src} holds no LoRA adapters: nothing to export as PEFT")
+        problems = manifest.verify(src, required=False)
+        if problems:
+            raise ConversionError(f"{src}: damaged checkpoint: " + "; ".join(problems[:6]))
+        cfg = model_config_from_meta(meta["model"])
+        reader = torch_dist.TorchDistCheckpoint(src)
+        mapping = get_mapping(cfg)
+        check_megatron_checkpoint(reader, mapping)
+        adapted = lora_export.adapted_weight_keys(lora, cfg.is_moe)
+        entries = [e for e in mapping.entries if e.key in adapted]
+        stored = reader.tensor(lora_export.adapter_keys(entries[0].key)[0]).properties.dtype
+        target = parse_dtype(dtype) if dtype else stored
+        units = (
+            (entry, a, b)
+            for entry, (a, b) in zip(entries, _adapters(reader, mapping, entries), strict=True)
+        )
+        tensors = {
+            key: t.to(target).contiguous()
+            for key, t in lora_export.peft_state_items(mapping, units, adapted)
+        }
+        saved = [SAVED_MODULES[name] for name in lora.get("modules_to_save", [])]
+        for entry in mapping.entries:
+            if entry.key in saved:
+                unit = reader.read([_read_requests(entry, mapping)])[0]
+                hf = [unit] if entry.kind == "vocab" else mapping.to_hf(entry, unit)
+                for name, tensor in zip(entry.hf_names, hf, strict=True):
+                    tensors[lora_export.saved_module_key(name)] = tensor.to(target).contiguous()
+        report = ConversionReport(
+            direction="megatron->peft",
+            source=str(src),
+            output=str(output),
+            dtype=dtype_name(target),
+            tensors=len(tensors),
+            bytes_written=0,
+            seconds=0.0,
+            rss_before=mem.before,
+            peak_rss=0,
+            largest_tensor_bytes=max(t.numel() * t.element_size() for t in tensors.values()),
+        )
+        if base_model is None:
+            report.notes.append(
+                "adapter_config.json names no base model (pass --base-model: the run's "
+                "model.init_from, or the directory of --lora-weights base)"
+            )
+        with staged_output(output, overwrite=overwrite, source=src) as tmp:
+            save_file(tensors, str(tmp / lora_export.ADAPTER_FILE), metadata={"format": "pt"})
+            config = lora_export.adapter_config(lora, adapted, mapping, base_model)
+            lora_export.write_adapter_config(tmp, config)
+            report.bytes_written = torch_dist.directory_bytes(tmp)
+            report.seconds = time.perf_counter() - t0
     report.peak_rss = mem.peak
     return report
 

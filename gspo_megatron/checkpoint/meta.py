@@ -101,13 +101,15 @@ def lora_difference(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -
             return "no LoRA adapters (lora.rank=null)"
         return (
             f"LoRA adapters of lora.rank={lora['rank']}, lora.alpha={lora['alpha']:g}, "
-            f"lora.targets={sorted(lora['targets'])}"
+            f"lora.targets={sorted(lora['targets'])}, "
+            f"lora.modules_to_save={sorted(lora.get('modules_to_save', []))}"
         )
 
     def key(lora: dict[str, Any] | None):
         if not lora:
             return None
-        return (lora["rank"], float(lora["alpha"]), sorted(lora["targets"]))
+        saved = sorted(lora.get("modules_to_save", []))
+        return (lora["rank"], float(lora["alpha"]), sorted(lora["targets"]), saved)
 
     if key(saved) == key(mine):
         return None

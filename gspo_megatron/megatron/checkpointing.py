@@ -725,8 +725,9 @@ def load_model_weights(chunks, path: str | Path, model_config: ModelConfig | Non
     if meta.get("lora") and not has_adapters:
         raise CheckpointError(
             f"{path} holds LoRA adapters (lora.rank={meta['lora']['rank']}): loading its base "
-            "weights alone would drop them; evaluating, converting or starting from a LoRA "
-            "checkpoint is not built yet (docs/LORA.md)"
+            "weights alone would drop them; evaluating or starting from a LoRA checkpoint is "
+            "not built yet: convert it with tools/convert_megatron_to_hf.py (merged) and start "
+            "from that (docs/LORA.md)"
         )
     # Converted and training checkpoints carry a manifest; a plain megatron one may not.
     _raise_if_any(path, _file_problems(path, require_manifest=False))

@@ -53,7 +53,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from gspo_megatron.spec.lora import LoRASettings
+from gspo_megatron.spec.lora import SAVED_MODULES, LoRASettings
 
 ADAPTER_PARAMETERS = ("lora_a", "lora_b")
 
@@ -251,11 +251,13 @@ def adapted_layers(chunks) -> Iterator[tuple[str, torch.nn.Module]]:
                 yield f"chunk{index}.{name}", module
 
 
-def freeze_base(chunks) -> None:
-    """Every parameter but the adapters' stops training: no gradient, no optimizer state."""
+def freeze_base(chunks, modules_to_save: frozenset = frozenset()) -> None:
+    """Every parameter but the adapters' and those of `modules_to_save` (spec/lora.py's
+    names) stops training: no gradient, no optimizer state."""
+    kept = {SAVED_MODULES[name] for name in modules_to_save}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            if name.rsplit(".", 1)[-1] not in ADAPTER_PARAMETERS:
+            if name.rsplit(".", 1)[-1] not in ADAPTER_PARAMETERS and name not in kept:
                 param.requires_grad_(False)
 
 

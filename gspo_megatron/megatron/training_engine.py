@@ -55,7 +55,7 @@ from gspo_megatron.megatron.offload import StateOffloader
 from gspo_megatron.megatron.parallel import LayoutGroups
 from gspo_megatron.megatron.routing import RouteRecorder
 from gspo_megatron.spec.layout import ParallelLayout
-from gspo_megatron.spec.lora import LoRASettings
+from gspo_megatron.spec.lora import LoRASettings, resolve_modules_to_save
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.model_config import ModelConfig
 from gspo_megatron.spec.sample import TrainSample, validate_samples
@@ -206,7 +206,12 @@ class TrainingEngine:
         )
         if self.lora is not None:
             init_adapters(chunks, lora_seed)
-            freeze_base(chunks)
+            freeze_base(
+                chunks,
+                resolve_modules_to_save(
+                    self.lora.modules_to_save, model_config.tie_word_embeddings
+                ),
+            )
         if not trainable:
             for chunk in chunks:
                 chunk.requires_grad_(False)

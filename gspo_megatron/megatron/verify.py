@@ -10,6 +10,7 @@ models; meant for the small and medium models one checks on a workstation.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,18 +46,28 @@ def megatron_outputs(
     round_to: torch.dtype | None = None,
     *,
     value_head: bool = False,
+    adapters: bool = True,
 ) -> torch.Tensor:
     """[b, s, ...] float32 outputs (logits, or a value model's values [b, s, 1]) of a
-    one-process megatron model loaded from `megatron_dir`, its weights rounded to `round_to`."""
+    one-process megatron model loaded from `megatron_dir`, its weights rounded to `round_to`.
+    A LoRA checkpoint's model has its adapters, on (the trained policy) or, with
+    `adapters=False`, off (the base model)."""
     import torch.distributed as dist
 
     from gspo_megatron.megatron import cpu_compat
 
     cpu_compat.apply()  # before megatron-core is imported
+    from gspo_megatron.checkpoint.meta import is_checkpoint, read_meta
     from gspo_megatron.megatron import parallel
+    from gspo_megatron.megatron.checkpointing import load_model_weights
+    from gspo_megatron.megatron.lora import adapters_off
     from gspo_megatron.megatron.model import build_model_chunks
     from gspo_megatron.megatron.weight_loading import load_weights
     from gspo_megatron.spec.layout import ParallelLayout
+    from gspo_megatron.spec.lora import LoRASettings
+
+    saved = read_meta(megatron_dir).get("lora") if is_checkpoint(megatron_dir) else None
+    lora = LoRASettings(**saved) if saved else None
 
     started = not dist.is_initialized()
     if not started and dist.get_world_size() != 1:
@@ -65,14 +76,18 @@ def megatron_outputs(
     parallel.initialize(layout, seed=0)
     try:
         cfg = cfg.replace(params_dtype="float32")
-        chunks = build_model_chunks(cfg, layout, use_te=False, value_head=value_head)
-        load_weights(chunks, cfg, megatron_dir, value_head=value_head)
+        chunks = build_model_chunks(cfg, layout, use_te=False, value_head=value_head, lora=lora)
+        if lora is None:
+            load_weights(chunks, cfg, megatron_dir, value_head=value_head)
+        else:  # the adapters too (load_weights gives chunks with adapters the base alone)
+            load_model_weights(chunks, megatron_dir, cfg)
         model = chunks[0].eval()
         if round_to is not None:
             for p in model.parameters():
                 p.copy_(p.to(round_to).float())
         positions = torch.arange(tokens.shape[1])[None].expand_as(tokens)
-        return model(tokens, positions, None).float()
+        with contextlib.nullcontext() if adapters else adapters_off(chunks):
+            return model(tokens, positions, None).float()
     finally:
         if started:
             parallel.destroy()
@@ -83,9 +98,11 @@ def megatron_logprobs(
     cfg: ModelConfig,
     tokens: torch.Tensor,
     round_to: torch.dtype | None = None,
+    adapters: bool = True,
 ) -> torch.Tensor:
     """[b, s-1] log-probs under a one-process megatron model loaded from `megatron_dir`."""
-    logits = megatron_outputs(megatron_dir, cfg, tokens, round_to)[..., : cfg.vocab_size]
+    outputs = megatron_outputs(megatron_dir, cfg, tokens, round_to, adapters=adapters)
+    logits = outputs[..., : cfg.vocab_size]
     logp = torch.log_softmax(logits[:, :-1], dim=-1)
     return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
 
@@ -135,6 +152,7 @@ def conversion_difference(
     cfg: ModelConfig,
     dtype: torch.dtype | None,
     value_head: bool,
+    adapters: bool = True,
     *,
     count: int = 2,
     length: int = 32,
@@ -143,12 +161,13 @@ def conversion_difference(
     """The conversion tools' verifier (checkpoint.convert.Verifier): ("value" or "log-prob",
     the max |difference|) of a value model's values at every position, or a policy's
     log-probs, on random token sequences, between transformers and a one-process megatron
-    model; both in float32 with the weights rounded to `dtype`."""
+    model; both in float32 with the weights rounded to `dtype`; a LoRA checkpoint with its
+    adapters on (a merged export) or off (its base)."""
     tokens = random_sequences(cfg.vocab_size, count, min(length, cfg.max_position_embeddings), seed)
     if value_head:
         hf = transformers_values(hf_dir, tokens, dtype)
         mc = megatron_outputs(megatron_dir, cfg, tokens, dtype, value_head=True)[..., 0]
         return "value", float((hf - mc).abs().max())
     hf = transformers_logprobs(hf_dir, tokens, dtype)
-    mc = megatron_logprobs(megatron_dir, cfg, tokens, dtype)
+    mc = megatron_logprobs(megatron_dir, cfg, tokens, dtype, adapters)
     return "log-prob", float((hf - mc).abs().max())

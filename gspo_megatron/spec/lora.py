@@ -6,6 +6,10 @@ projection and output projection, the dense MLP's fc1 (gate and up, fused) and f
 the experts' fc1 and fc2 (each expert its own adapter). The router is never adapted: its
 routes must stay those the rollout engine reproduces, and it is a layer of a few thousand
 weights that LoRA would not shrink. `all-linear` (PEFT's name) is every target the model has.
+
+`modules_to_save` (PEFT's name) trains whole weights beside the adapters: the vocabulary
+projection, the final norm, the embedding. A model trained from random initialisation needs
+them (its frozen output layer caps every logit), a pre-trained one rarely does.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ NEVER_ADAPTED = {
     "too); it trains only with full-parameter training",
     "embedding": "the embedding is not a linear layer LoRA adapts here",
 }
+# lora.modules_to_save: name -> megatron parameter name
+SAVED_MODULES = {
+    "output_layer": "output_layer.weight",
+    "final_norm": "decoder.final_layernorm.weight",
+    "embedding": "embedding.word_embeddings.weight",
+}
 
 
 @dataclass
@@ -36,13 +46,16 @@ class LoRASettings:
     adapter's output is scaled by alpha / rank (PEFT's lora_alpha). dropout: on the adapter's
     input (PEFT's lora_dropout). targets: the layers' names (attention.linear_qkv,
     attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2, experts.linear_fc1,
-    experts.linear_fc2) or all-linear (every one the model has).
+    experts.linear_fc2) or all-linear (every one the model has). modules_to_save: whole
+    weights trained beside the adapters (output_layer, final_norm, embedding; PEFT's
+    modules_to_save).
     """
 
     rank: int | None = bounded(None, ge=1)
     alpha: float = bounded(32.0, gt=0)
     dropout: float = bounded(0.0, ge=0, lt=1)
     targets: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    modules_to_save: list[str] = field(default_factory=list)
 
     @property
     def enabled(self) -> bool:
@@ -88,3 +101,19 @@ def resolve_targets(targets: list[str], is_moe: bool, key: str = "lora.targets")
         else:
             chosen.add(name)
     return frozenset(chosen)
+
+
+def resolve_modules_to_save(
+    names: list[str], tied_embeddings: bool, key: str = "lora.modules_to_save"
+) -> frozenset:
+    """The whole weights `names` trains beside the adapters; an unknown name, or the output
+    layer or embedding of a model that ties them (one weight, two names), is refused."""
+    for name in names:
+        if name not in SAVED_MODULES:
+            raise ValueError(f"{key} entry {name!r} is not one of {list(SAVED_MODULES)}")
+        if tied_embeddings and name in ("output_layer", "embedding"):
+            raise ValueError(
+                f"{key} entry {name!r} on a model with tie_word_embeddings=true (the output "
+                "layer and the embedding are one weight) is not built yet"
+            )
+    return frozenset(names)

@@ -19,7 +19,6 @@ LORA_RESUME_CHECKS = {
     "error_lora_checkpoint_into_full_engine",
     "error_lora_checkpoint_into_other_rank",
     "error_lora_checkpoint_weights_without_adapters",
-    "error_lora_checkpoint_conversion",
 }
 OFFLOAD_CHECKS = {
     "offload_optimizer_state_bitwise_identical",

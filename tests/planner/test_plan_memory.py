@@ -101,6 +101,23 @@ def test_lora_trains_and_keeps_state_for_the_adapters_only():
     assert lora.optimizer < full.optimizer / 20
 
 
+def test_lora_modules_to_save_train_on_their_stages():
+    """Whole weights trained beside the adapters (lora.modules_to_save) have gradients and
+    optimizer state on the stage that holds them: the embedding on the first, the final norm
+    and the output layer (vocabulary rows of this TP rank) on the last."""
+    model = load_preset("qwen3_30b_a3b")
+    layout = ParallelLayout(world_size=16, tp=2, sequence_parallel=True, pp=2, ep=4)
+    plain = LoRASettings(rank=16)
+    saved = LoRASettings(rank=16, modules_to_save=["embedding", "final_norm", "output_layer"])
+    rows = model.padded_vocab_size(2) // 2 * model.hidden_size
+    first, last = (stage_params(model, layout, stage, saved) for stage in (0, 1))
+    assert first.trained[0] - stage_params(model, layout, 0, plain).trained[0] == rows
+    assert last.trained[0] - stage_params(model, layout, 1, plain).trained[0] == (
+        rows + model.hidden_size
+    )
+    assert first.total == stage_params(model, layout, 0, plain).total  # counted once
+
+
 def test_parameter_counts_equal_megatrons_for_every_preset(megatron_counts):
     megatron_counts = [r for r in megatron_counts if not r["lora_rank"]]
     assert {r["preset"] for r in megatron_counts} == set(PRESETS)

@@ -94,10 +94,19 @@ def test_refused(overrides, message):
          "rollout.sglang.lora_sync=adapter with lora.rank=null: there are no adapters to sync"),
         (["lora.rank=8", "trainer.export_hf_every=5"],
          "lora.rank=8 with trainer.export_hf_every=5: the Hugging Face export of a LoRA policy"),
+        (["lora.rank=8", "lora.modules_to_save=[lm_head]"],
+         "lora.modules_to_save entry 'lm_head' is not one of ['output_layer', 'final_norm', "
+         "'embedding']"),
+        (["model=tiny_dense", "lora.rank=8", "lora.modules_to_save=[embedding]"],
+         "lora.modules_to_save entry 'embedding' on a model with tie_word_embeddings=true"),
+        (["lora.rank=8", "lora.modules_to_save=[output_layer]", "algorithm.kl_coef=0.1"],
+         "lora.rank=8 with lora.modules_to_save=['output_layer'] and a KL penalty"),
+        (["lora.modules_to_save=[output_layer]"], "lora.modules_to_save is set but LoRA is off"),
     ],
     ids=["rank-0", "rank-negative", "alpha-without-rank", "dense-target-on-moe",
          "expert-target-on-dense", "router", "unknown-target", "no-targets", "dropout", "te",
-         "sglang-adapter", "sglang-adapter-without-lora", "hf-export"],
+         "sglang-adapter", "sglang-adapter-without-lora", "hf-export", "saved-unknown",
+         "saved-tied", "saved-with-kl", "saved-without-rank"],
 )  # fmt: skip
 def test_lora_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
