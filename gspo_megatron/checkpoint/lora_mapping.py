@@ -8,7 +8,8 @@ keeps one per Hugging Face linear module, `<module>.lora_A.weight` [r, in] and
 modules that share its input, so its adapter is theirs exactly: each gets the same A, and B is
 split like the weight's rows (`qkv`, `gate_up` of checkpoint/mapping.py). The names here are in
 the HF model's namespace (`model.layers.0.self_attn.q_proj.lora_A.weight`); a PEFT file puts
-`PEFT_PREFIX` before them.
+`checkpoint.lora_export.PEFT_PREFIX` before them (lora_export also writes PEFT's
+adapter_config.json).
 
 `adapter_mapping` is a `ModelMapping` of those units, so the weight export's gather
 (megatron/weight_export.py) moves adapters from any layout as it moves weights.
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from gspo_megatron.spec.lora import LoRASettings
     from gspo_megatron.spec.model_config import ModelConfig
 
-PEFT_PREFIX = "base_model.model."
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 
@@ -144,15 +144,6 @@ def adapter_mapping(cfg: ModelConfig, lora: LoRASettings) -> AdapterMapping:
     return m
 
 
-def peft_target_modules(cfg: ModelConfig, lora: LoRASettings) -> list[str]:
-    """PEFT's `target_modules` (HF module leaf names) of `lora.targets` on a model."""
-    from gspo_megatron.spec.lora import resolve_targets
-
-    targets = resolve_targets(lora.targets, cfg.is_moe)
-    leaves = {m.rsplit(".", 1)[-1] for r in _RULES if r.target in targets for m in r.modules}
-    return sorted(leaves)
-
-
 def adapted_weights(names) -> dict[str, tuple[str, str]]:
     """Base weight name -> (its lora_A, its lora_B name), for every adapter among `names`."""
     out = {}
@@ -185,20 +176,3 @@ def merge_adapters(
         else:
             merged[name] = value.to(weight.dtype)
     return merged
-
-
-def peft_adapter_config(cfg: ModelConfig, lora: LoRASettings, base_model: str = "") -> dict:
-    """The `adapter_config.json` of these adapters in PEFT's format (a LoRA for causal LM)."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": peft_target_modules(cfg, lora),
-        "bias": "none",
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-    }

@@ -15,6 +15,7 @@ Prints one JSON line per check on rank 0: {"check", "value", "tol", "ok"}.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,7 +31,8 @@ cpu_compat.apply()  # before megatron-core is imported
 
 from layout_text import parse_layout  # noqa: E402
 
-from gspo_megatron.checkpoint.lora_mapping import PEFT_PREFIX, peft_adapter_config  # noqa: E402
+from gspo_megatron.checkpoint import lora_export  # noqa: E402
+from gspo_megatron.checkpoint.mapping import get_mapping  # noqa: E402
 from gspo_megatron.megatron import parallel  # noqa: E402
 from gspo_megatron.megatron.lora_sync import LoRAWeightSource  # noqa: E402
 from gspo_megatron.megatron.training_engine import TrainingEngine  # noqa: E402
@@ -110,11 +112,14 @@ def main() -> int:
                 (out / "config.json").write_text(json.dumps(config.to_hf()))
             peft_dir = Path(tmp) / "adapter"
             peft_dir.mkdir()
-            save_file({PEFT_PREFIX + n: t for n, t in adapters.items()},
+            save_file({lora_export.PEFT_PREFIX + n: t for n, t in adapters.items()},
                       peft_dir / "adapter_model.safetensors")  # fmt: skip
-            (peft_dir / "adapter_config.json").write_text(
-                json.dumps(peft_adapter_config(config, lora, str(Path(tmp) / "base")))
+            settings = dataclasses.asdict(lora)
+            adapted = lora_export.adapted_weight_keys(settings, config.is_moe)
+            peft_config = lora_export.adapter_config(
+                settings, adapted, get_mapping(config), str(Path(tmp) / "base")
             )
+            lora_export.write_adapter_config(peft_dir, peft_config)
             load = dict(dtype=torch.float32)
             merged_lp = hf_logprobs(
                 AutoModelForCausalLM.from_pretrained(Path(tmp) / "merged", **load).eval(), batch
