@@ -254,6 +254,9 @@ class Trainer:
             out.update({prefix + k: v for k, v in result.metrics.items()})
             if self.cfg.eval.save_responses:
                 self.log.write_records(self.step, bench.name, result.records)
+        # what the rollout engine counted while evaluating belongs to the evaluation, not to the
+        # next step's record (which a run resumed before that step would not have)
+        out.update({f"eval/{k}": v for k, v in self.collector.fault_metrics().items()})
         return out
 
     def step_metrics(
