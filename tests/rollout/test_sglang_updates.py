@@ -442,7 +442,8 @@ def test_adapter_updater_loads_each_version_under_its_own_name(loop, tmp_path):
     adapter_config.json), loaded under the version's name, the weight version set, the previous
     name unloaded; its directory stays one version more (SGLang reloads an unloaded name a late
     request names). A server started without --enable-lora, or with a smaller
-    --max-lora-rank, fails the update with SGLang's reason."""
+    --max-lora-rank, fails the update with SGLang's reason; one that loaded the adapter but
+    failed after is not sent it again (SGLang would refuse the name)."""
     from safetensors.torch import load_file
 
     from gspo_megatron.rollout.sglang.updates.adapter import AdapterUpdater, LoRAServing
@@ -481,15 +482,29 @@ def test_adapter_updater_loads_each_version_under_its_own_name(loop, tmp_path):
                 held = {f"gspo_v{version}": str(tmp_path / f"adapter_v{version}")}
                 assert server.state()["loras"] == held
                 assert server.state()["version"] == str(version)
-        # v2, unloaded, stays on disk: a late request naming it loads it again
+        # v2, unloaded, stays on disk (a late request naming it loads it again: below)
         assert not (tmp_path / "adapter_v1").exists() and (tmp_path / "adapter_v2").is_dir()
-        assert isinstance(_generate(servers[0], "gspo_v2"), list)
-        assert "gspo_v2" in servers[0].state()["loras"]
         # a re-sync at the same version sends nothing new to a server that holds it
         again = AdapterSource(seed=3)
         live = urls[:2]
         updater.update(again, 3, live, {})
         assert again.yielded == 1 and live == urls[:2]
+        # loaded but not tagged: the re-sync tags it and unloads the old one, loading nothing
+        servers[0].fault("/update_weight_version", "500")
+        live, failures = urls[:2], {}
+        updater.update(AdapterSource(seed=4), 4, live, failures)
+        assert live == urls[1:2] and list(failures) == urls[:1]
+        assert servers[0].state()["version"] == "3" and "gspo_v4" in servers[0].state()["loras"]
+        live, failures = urls[:1], {}
+        updater.update(AdapterSource(seed=4), 4, live, failures)
+        assert live == urls[:1] and failures == {}
+        assert servers[0].state()["version"] == "4"
+        assert servers[0].state()["loras"] == {"gspo_v4": str(tmp_path / "adapter_v4")}
+        assert (tmp_path / "adapter_v3").is_dir() and not (tmp_path / "adapter_v2").exists()
+        assert isinstance(_generate(servers[0], "gspo_v3"), list)
+        assert "gspo_v3" in servers[0].state()["loras"]
+        updater.update(AdapterSource(seed=5), 5, urls[:1], {})  # unloads it with v4
+        assert servers[0].state()["loras"] == {"gspo_v5": str(tmp_path / "adapter_v5")}
         serving = LoRAServing.of(source.peft_config)
         info = loop.run(client.get(urls[0], "/server_info"))
         assert serving.refusal(urls[0], info) is None

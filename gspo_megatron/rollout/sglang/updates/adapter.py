@@ -11,6 +11,7 @@ request naming it, from its directory."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,13 +80,24 @@ class LoRAServing:
         return None
 
 
+PREFIX = "gspo_v"  # an adapter's name: PREFIX + its version
+
+
 def adapter_name(version: int) -> str:
     """The name a version's adapter is loaded under (and `lora_path` of its /generate)."""
-    return f"gspo_v{version}"
+    return f"{PREFIX}{version}"
+
+
+def _versions(loaded_adapters: dict | None) -> set[int]:
+    """The versions of our adapters among those a /load_lora_adapter answer lists (SGLang
+    loads an unloaded one again when a late request names it)."""
+    names = (loaded_adapters or {}).keys()
+    return {int(n.removeprefix(PREFIX)) for n in names if re.fullmatch(PREFIX + r"\d+", n)}
 
 
 class AdapterUpdater(WeightUpdater):
-    """Loads each version's adapter; keeps what each server holds, to unload it after."""
+    """Loads each version's adapter; keeps which adapters each server holds, to unload the
+    older ones (again at the next update, where an unload failed)."""
 
     def __init__(
         self, cfg: SGLangEngineConfig, client: SGLangClient, loop: LoopThread, infos: ServerInfos
@@ -95,7 +107,7 @@ class AdapterUpdater(WeightUpdater):
         self.root = Path(cfg.disk_dir)
         for _ in files.remove_temporaries(self.root, only_dead_writers=True):
             pass  # adapters a killed writer of this host left half written
-        self.loaded: dict[str, int] = {}  # url -> the version its adapter is
+        self.held: dict[str, set[int]] = {}  # url -> the versions of the adapters it holds
         self._written: list[int] = []  # versions with a directory, oldest first
         self.current: str | None = None  # the adapter /generate names (None: the base)
 
@@ -131,39 +143,44 @@ class AdapterUpdater(WeightUpdater):
         else:
             self._write(source, version)
         name = adapter_name(version)
-        timeout = self.cfg.weight_update_timeout_s
-        fresh = [u for u in live if self.loaded.get(u) != version]
+        fresh = [u for u in live if version not in self.held.setdefault(u, set())]
         load = {"lora_name": name, "lora_path": str(self.directory(version))}
-        bodies = dict.fromkeys(fresh, load)
-        answers = self.loop.run(
-            self.client.post_each("/load_lora_adapter", bodies, timeout_s=timeout)
-        )
-        drop_failed("/load_lora_adapter", answers, live, failures)
-        route = "/update_weight_version"
-        tag = {"new_version": str(version), "abort_all_requests": False}
-        answers = self.loop.run(
-            self.client.post_each(route, dict.fromkeys(live, tag), timeout_s=timeout)
-        )
-        drop_failed(route, answers, live, failures)
-        previous = {u: self.loaded[u] for u in live if self.loaded.get(u, version) != version}
-        for url in live:
-            self.loaded[url] = version
+        answers = self._post_each("/load_lora_adapter", dict.fromkeys(fresh, load), live, failures)
+        for url in fresh:
+            if url in live:  # loaded, whatever happens next (a name loads once)
+                self.held[url] = _versions(answers[url].get("loaded_adapters")) | {version}
+        tag = {"new_version": str(version), "abort_all_requests": False}  # keep those running
+        self._post_each("/update_weight_version", dict.fromkeys(live, tag), live, failures)
         if live:
             self.current = name
-        bodies = {u: {"lora_name": adapter_name(v)} for u, v in previous.items()}
-        answers = self.loop.run(
-            self.client.post_each("/unload_lora_adapter", bodies, timeout_s=timeout)
-        )
-        drop_failed("/unload_lora_adapter", answers, live, failures)
+        older = {u: sorted(self.held[u] - {version}) for u in live}
+        while unloading := {u: vs.pop(0) for u, vs in older.items() if vs}:  # one per server
+            bodies = {u: {"lora_name": adapter_name(v)} for u, v in unloading.items()}
+            self._post_each("/unload_lora_adapter", bodies, live, failures)
+            for url, v in unloading.items():
+                if url in live:
+                    self.held[url].discard(v)
         self._clean()
 
+    def _post_each(
+        self, route: str, bodies: dict, live: list[str], failures: dict[str, SGLangError]
+    ) -> dict:
+        answers = self.loop.run(
+            self.client.post_each(route, bodies, timeout_s=self.cfg.weight_update_timeout_s)
+        )
+        drop_failed(route, answers, live, failures)
+        return answers
+
     def _clean(self) -> None:
-        """Directories older than the one before the oldest a server holds go."""
-        keep_from = min(self.loaded.values(), default=self._written[-1]) if self._written else 0
-        older = [v for v in self._written if v < keep_from]
-        for v in older[:-1]:  # the one before stays: a late request may name it
+        """Directories older than the one before the oldest adapter a server holds go (a late
+        request naming an unloaded adapter makes SGLang load it again from its directory)."""
+        oldest = min((min(vs) for vs in self.held.values() if vs), default=None)
+        if oldest is None:
+            return
+        older = [v for v in self._written if v < oldest]
+        for v in older[:-1]:
             shutil.rmtree(self.directory(v), ignore_errors=True)
             self._written.remove(v)
 
     def forget(self, url: str) -> None:
-        self.loaded.pop(url, None)  # a restarted server holds the base alone
+        self.held.pop(url, None)  # a restarted server holds the base alone
