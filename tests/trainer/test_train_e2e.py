@@ -713,8 +713,11 @@ def test_multi_turn_episodes_on_sglang(tmp_path):
     assert all(any(ids[: len(p)] == p for p in flat if len(p) < len(ids)) for ids in later)
 
 
-def test_lora_adapters_synced_to_sglang_through_its_lora_api(tmp_path):
-    """rollout.sglang.lora_sync=adapter: a LoRA policy (rank 4, attention) sends the stand-in
+@pytest.mark.parametrize("layout", [(), ("parallel.tp=2", "parallel.sequence_parallel=true")],
+                         ids=["one-rank", "tp2"])  # fmt: skip
+def test_lora_adapters_synced_to_sglang_through_its_lora_api(tmp_path, layout):
+    """rollout.sglang.lora_sync=adapter: a LoRA policy (rank 4, attention; on one rank, and
+    TP-split on two, gathered by the sender) sends the stand-in
     (started as SGLang would be for it: --enable-lora, --max-lora-rank, --lora-target-modules)
     a PEFT adapter directory per version; it generates with the newest one named in every
     /generate, and holds only that one at the end."""
@@ -732,7 +735,8 @@ def test_lora_adapters_synced_to_sglang_through_its_lora_api(tmp_path):
               f"+rollout.sglang.urls=[{server.url}]", "rollout.sglang.weight_sync=disk",
               f"+rollout.sglang.disk_dir={adapters}", "rollout.sglang.lora_sync=adapter",
               "lora.rank=4",
-              "lora.targets=[attention.linear_qkv,attention.linear_proj]")  # fmt: skip
+              "lora.targets=[attention.linear_qkv,attention.linear_proj]", *layout,
+              nproc=2 if layout else 1)  # fmt: skip
         log, state = server.log(), server.state()
         server.assert_not_crashed()
     finally:
