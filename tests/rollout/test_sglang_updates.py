@@ -512,6 +512,10 @@ def test_adapter_updater_loads_each_version_under_its_own_name(loop, tmp_path):
         assert "started without --enable-lora" in serving.refusal(urls[2], info)
         info = loop.run(client.get(urls[3], "/server_info"))
         assert "--max-lora-rank 2, below lora.rank=4" in serving.refusal(urls[3], info)
+        info = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]}
+        assert "without o_proj (lora.targets)" in serving.refusal(A, info)
+        assert "dp_size 2" in serving.refusal(A, {**info, "dp_size": 2})
+        assert serving.refusal(A, {**info, "lora_target_modules": ["all"]}) is None
         assert serving.launch_args() == ["--enable-lora", "--max-lora-rank", "4",
                                          "--lora-target-modules", "o_proj", "q_proj"]  # fmt: skip
         for server in servers:
