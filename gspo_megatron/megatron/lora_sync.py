@@ -155,3 +155,35 @@ class LoRAWeightSource:
         """Every adapter tensor by PEFT name (the sender; nothing elsewhere). Collective."""
         for bucket in self.adapters.buckets(bucket_bytes):
             yield from bucket
+
+
+class LoRAAdapterSource:
+    """The adapters alone as a `WeightSource` (SGLang with rollout.sglang.lora_sync=adapter):
+    `buckets` yields the PEFT-named adapter tensors (without PEFT's `base_model.model.`
+    prefix), `peft_config` PEFT's adapter_config.json of them. The servers hold the base."""
+
+    def __init__(self, weights: LoRAWeightSource, model_config: ModelConfig) -> None:
+        from dataclasses import asdict
+
+        from gspo_megatron.checkpoint import lora_export
+
+        self.weights = weights
+        settings = asdict(weights.lora)
+        adapted = lora_export.adapted_weight_keys(settings, model_config.is_moe)
+        self.peft_config = lora_export.adapter_config(
+            settings, adapted, get_mapping(model_config), None
+        )
+
+    @classmethod
+    def from_engine(cls, engine) -> LoRAAdapterSource:
+        return cls(LoRAWeightSource.from_engine(engine), engine.model_config)
+
+    def is_sender(self) -> bool:
+        return self.weights.is_sender()
+
+    def hf_shapes(self) -> dict[str, Shape]:
+        return self.weights.adapters.hf_shapes()
+
+    def buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The adapters' buckets (collective; the sender's hold the tensors)."""
+        return self.weights.adapters.buckets(bucket_bytes)

@@ -462,6 +462,8 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         "health_checks": 0,  # GET /health and /health_generate (not in the log)
         # the radix cache: token sequences whose KV the server holds (meta_info.cached_tokens)
         "radix": [],
+        "loras": {},  # adapter name -> path, loaded (/load_lora_adapter)
+        "lora_paths": {},  # every name ever loaded -> path (SGLang's lora_ref_cache)
     }
     unpaused = asyncio.Event()
     unpaused.set()
@@ -663,7 +665,9 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         return json_response(
             {"tp_size": args.tp_size, "dp_size": args.dp_size, "pp_size": 1,
              "model_path": "fake", "weight_version": state["version"], "version": args.release,
-             "startup_time": args.startup_time, "internal_states": [internal]}
+             "startup_time": args.startup_time, "internal_states": [internal],
+             "enable_lora": args.enable_lora, "max_lora_rank": args.max_lora_rank,
+             "lora_target_modules": args.lora_target_modules or None}
         )  # fmt: skip
 
     @routes.get("/model_info")
@@ -682,6 +686,8 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         contract_error = _contract_error(sg.api, body)
         if contract_error is not None:
             return json_response({"error": contract_error}, 400)
+        if (lora_error := generate_lora_error(obj)) is not None:
+            return json_response({"error": {"message": lora_error}}, 400)
         try:
             obj.normalize_batch_and_arguments()
             if obj.is_single:
@@ -1028,6 +1034,97 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
         )
         return json_response({"success": True, "message": msg, "num_paused_requests": 0})
 
+    # ---- LoRA (SGLang's tokenizer_control_mixin / lora_manager, 0.5.23) ----------------------
+
+    def lora_refusal(name=None):
+        """Why SGLang refuses dynamic LoRA here, or None."""
+        if not args.enable_lora:
+            return "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+        return None
+
+    def load_adapter(name, path):
+        """SGLang's load checks: a name loaded once; rank and modules the pool can hold."""
+        if name in state["loras"]:
+            return f"Failed to load LoRA adapter {name} because it is already loaded"
+        try:
+            config = json.loads((Path(path) / "adapter_config.json").read_text())
+            (Path(path) / "adapter_model.safetensors").stat()
+        except (OSError, ValueError) as e:
+            return f"Failed to load LoRA adapter {name}: {e}"
+        modules = set(config.get("target_modules") or [])
+        if config["r"] > args.max_lora_rank or not modules <= set(args.lora_target_modules):
+            return (f"LoRA adapter {name} with rank {config['r']} is incompatible with the "
+                    "current LoRA memory pool configuration. Please ensure that the LoRA "
+                    "adapter's rank is within the configured `--max-lora-rank` and that the "
+                    "target modules are included in `--lora-target-modules`.")  # fmt: skip
+        state["loras"][name] = str(path)
+        state["lora_paths"][name] = str(path)  # SGLang's lora_ref_cache: reloaded on demand
+        return None
+
+    def lora_answer(error):
+        loaded = dict(state["loras"])
+        if error is None:
+            return json_response({"success": True, "error_message": None,
+                                  "loaded_adapters": loaded})  # fmt: skip
+        return json_response({"success": False, "error_message": error,
+                              "loaded_adapters": None}, 400)  # fmt: skip
+
+    @routes.post("/load_lora_adapter")
+    async def load_lora(request):
+        try:
+            obj = validate(io_struct.LoadLoRAAdapterReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if args.dp_size != 1:  # an AssertionError in SGLang: a 500
+            return json_response({"error": {"message": "data-parallel replicas are not "
+                                  "supported for dynamic lora loading"}}, 500)  # fmt: skip
+        return lora_answer(lora_refusal() or load_adapter(obj.lora_name, obj.lora_path))
+
+    @routes.post("/unload_lora_adapter")
+    async def unload_lora(request):
+        try:
+            obj = validate(io_struct.UnloadLoRAAdapterReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if (error := lora_refusal()) is None and obj.lora_name not in state["loras"]:
+            error = f"LoRA adapter {obj.lora_name} is not loaded"
+        if error is None:
+            del state["loras"][obj.lora_name]
+        return lora_answer(error)
+
+    @routes.post("/update_weight_version")
+    async def update_weight_version(request):
+        try:
+            obj = validate(io_struct.UpdateWeightVersionReqInput, request["json"])
+        except pydantic.ValidationError as e:
+            return bad_request(str(e))
+        if obj.abort_all_requests:
+            for event in state["inflight"]:
+                event.set()
+        state["version"] = obj.new_version
+        message = f"Weight version updated to {obj.new_version}"
+        return json_response({"success": True, "new_version": obj.new_version,
+                              "message": message})  # fmt: skip
+
+    def generate_lora_error(obj):
+        """SGLang's _validate_and_resolve_lora: a named adapter must be loaded (an unloaded one
+        is loaded again from its path)."""
+        if not obj.lora_path:
+            return None
+        names = [obj.lora_path] if isinstance(obj.lora_path, str) else obj.lora_path
+        for name in filter(None, names):
+            if not args.enable_lora:
+                return (f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please "
+                        "launch the server with --enable-lora flag and preload adapters using "
+                        "--lora-paths or /load_lora_adapter endpoint.")  # fmt: skip
+            if name in state["loras"]:
+                continue
+            if name not in state["lora_paths"]:
+                return f"Got LoRA adapter that has never been loaded: {name}"
+            if (error := load_adapter(name, state["lora_paths"][name])) is not None:
+                return f"Failed to implicitly load LoRA adapter {name}: {error}"
+        return None
+
     def tags_of(obj):
         return obj.tags or ["weights", "kv_cache", "cuda_graph"]
 
@@ -1135,7 +1232,7 @@ def build_app(args):  # noqa: C901 - one handler per endpoint, kept together
             {"session_open": state["session"] is not None, "version": state["version"],
              "released": sorted(state["released"]), "memory_gone": memory_gone(),
              "paused": state["paused"], "health_checks": state["health_checks"],
-             "groups": list(state["groups"])}
+             "groups": list(state["groups"]), "loras": state["loras"]}
         )  # fmt: skip
 
     @routes.post("/_test/reset")
@@ -1237,6 +1334,9 @@ def main() -> None:
     p.add_argument("--release", default="0.5.23", help="the SGLang version /server_info reports")
     p.add_argument("--state-file", default=None, help="weights held, written at each update")
     p.add_argument("--enable-memory-saver", action="store_true", help="released memory is gone")
+    p.add_argument("--enable-lora", action="store_true", help="/load_lora_adapter works")
+    p.add_argument("--max-lora-rank", type=int, default=0)
+    p.add_argument("--lora-target-modules", nargs="*", default=[])
     p.add_argument("--crash-file", default=None, help="where it records dying as SGLang would")
     args, _ = p.parse_known_args()  # launch_command's other flags (model path, host, ...)
     args.ready_at = time.monotonic() + args.health_delay_s

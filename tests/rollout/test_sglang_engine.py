@@ -1008,3 +1008,70 @@ def _wait_for(condition, timeout_s: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.05)
+
+
+# ---- rollout.sglang.lora_sync=adapter -----------------------------------------------------------
+
+
+class AdapterSource:
+    """The PEFT-named adapters of one attention layer, rank 2 (LoRAAdapterSource's shape)."""
+
+    peft_config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4.0, "target_modules": ["q_proj"]}
+
+    def buckets(self, bucket_bytes: int):
+        a, b = torch.ones(2, 16), torch.zeros(16, 2)
+        yield [("model.layers.0.self_attn.q_proj.lora_A.weight", a),
+               ("model.layers.0.self_attn.q_proj.lora_B.weight", b)]  # fmt: skip
+
+    def is_sender(self) -> bool:
+        return True
+
+
+def test_adapter_sync_launches_with_lora_and_names_the_adapter_in_each_generate(tmp_path):
+    """A launched server gets the LoRA flags; before the first update /generate runs the base
+    (no lora_path), after it every /generate names the newest version's adapter. An attached
+    server started without LoRA is refused at start-up, naming the key."""
+    from gspo_megatron.rollout.sglang.updates.adapter import LoRAServing
+
+    script = fake.fake_interpreter(tmp_path)
+    port = _closed_port()
+    cfg = SGLangEngineConfig(
+        launch=[ServerLaunchConfig(model_path="/nowhere", port=port, python=str(script))],
+        weight_sync="disk", disk_dir=str(tmp_path / "sync"), log_dir=str(tmp_path / "logs"),
+        lora_sync="adapter", **FAST,
+    )  # fmt: skip
+    serving = LoRAServing.of(AdapterSource.peft_config)
+    params = SamplingParams(max_new_tokens=2, seed=0)
+    with SGLangEngine(cfg, lora=serving) as eng:
+        url = eng.urls[0]
+        eng.generate([[1, 2]], 1, params)
+        for version in (1, 2):
+            eng.update_weights(AdapterSource(), version=version)
+            (g,) = eng.generate([[1, 2]], 2, params)
+            assert [s.weight_version for s in g] == [version, version]
+        log = json.loads(_get(url, "/_test/log"))
+        generates = [e["body"].get("lora_path") for e in log if e["path"] == "/generate"]
+        assert generates == [None, "gspo_v1", "gspo_v2"]
+        paths_ = [e["path"] for e in log if "lora" in e["path"] or "version" in e["path"]]
+        assert paths_ == ["/load_lora_adapter", "/update_weight_version",
+                          "/load_lora_adapter", "/update_weight_version",
+                          "/unload_lora_adapter"]  # fmt: skip
+        assert json.loads(_get(url, "/_test/state"))["loras"] == {
+            "gspo_v2": str(tmp_path / "sync" / "adapter_v2")
+        }
+    plain = fake.start_fake_server(routed_experts=False)
+    try:
+        attached = SGLangEngineConfig(urls=[plain.url], weight_sync="disk", lora_sync="adapter",
+                                      disk_dir=str(tmp_path / "sync"), **FAST)  # fmt: skip
+        with pytest.raises(ValueError, match="lora_sync=adapter: the SGLang server at .* was "
+                           "started without --enable-lora"):  # fmt: skip
+            SGLangEngine(attached, lora=serving)
+    finally:
+        plain.stop()
+
+
+def _get(url: str, path: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + path, timeout=10) as resp:
+        return resp.read().decode()

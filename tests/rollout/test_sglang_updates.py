@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import urllib.error
 
 import pytest
 import torch
@@ -391,3 +393,134 @@ def test_the_startup_wait_ends_when_every_server_is_ready():
     with pytest.raises(SGLangError, match=r"did not answer within 0.2 s .*health_timeout_s=0.2"):
         asyncio.run(startup.wait([A], {}, timeout_s=0.2))
     assert len(lines) == 1 and lines[0].startswith("waiting for SGLang servers to answer")
+
+
+# ---- lora_sync=adapter --------------------------------------------------------------------------
+
+
+class AdapterSource:
+    """A LoRAAdapterSource's stand-in: PEFT-named adapters of two attention layers, rank 4."""
+
+    def __init__(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tensors = []
+        for layer in range(2):
+            p = f"model.layers.{layer}.self_attn"
+            for module, out in (("q_proj", 16), ("o_proj", 16)):
+                a, b = torch.randn(4, 16, generator=g), torch.randn(out, 4, generator=g)
+                self.tensors += [(f"{p}.{module}.lora_A.weight", a)]
+                self.tensors += [(f"{p}.{module}.lora_B.weight", b)]
+        self.peft_config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0,
+                            "target_modules": ["o_proj", "q_proj"]}  # fmt: skip
+        self.yielded = 0
+
+    def buckets(self, bucket_bytes: int):
+        self.yielded += 1
+        yield list(self.tensors)
+
+    def is_sender(self) -> bool:
+        return True
+
+
+def _lora_server(rank: int = 4, modules=("q_proj", "k_proj", "v_proj", "o_proj"), **kw):
+    extra = ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules]
+    return fake.start_fake_server(extra_args=extra, **kw)
+
+
+def _generate(server, lora_path):
+    body = {"input_ids": [[1, 2, 3]], "sampling_params": [{"max_new_tokens": 2}],
+            "lora_path": lora_path}  # fmt: skip
+    try:
+        return server._call("POST", "/generate", body)
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
+
+
+@needs_sglang
+def test_adapter_updater_loads_each_version_under_its_own_name(loop, tmp_path):
+    """Per version: a PEFT directory written once (safetensors named as PEFT saves them, its
+    adapter_config.json), loaded under the version's name, the weight version set, the previous
+    name unloaded; its directory stays one version more (SGLang reloads an unloaded name a late
+    request names). A server started without --enable-lora, or with a smaller
+    --max-lora-rank, fails the update with SGLang's reason; one that loaded the adapter but
+    failed after is not sent it again (SGLang would refuse the name)."""
+    from safetensors.torch import load_file
+
+    from gspo_megatron.rollout.sglang.updates.adapter import AdapterUpdater, LoRAServing
+
+    servers = [_lora_server(), _lora_server(tp_size=2), fake.start_fake_server(),
+               _lora_server(rank=2)]  # fmt: skip
+    client = SGLangClient()
+    try:
+        urls = [s.url for s in servers]
+        cfg = config(urls, weight_sync="disk", disk_dir=str(tmp_path), lora_sync="adapter")
+        updater = AdapterUpdater(cfg, client, loop, ServerInfos(client))
+        source, live, failures = AdapterSource(seed=1), list(urls), {}
+        updater.update(source, 1, live, failures)
+        assert live == urls[:2] and sorted(failures) == sorted(urls[2:])
+        assert "LoRA is not enabled" in str(failures[urls[2]])
+        assert "--max-lora-rank" in str(failures[urls[3]])
+        assert updater.current == "gspo_v1"
+        written = load_file(str(tmp_path / "adapter_v1" / "adapter_model.safetensors"))
+        assert written.keys() == {"base_model.model." + n for n, _ in source.tensors}
+        for name, t in source.tensors:
+            assert torch.equal(written["base_model.model." + name], t)
+        config_json = json.loads((tmp_path / "adapter_v1" / "adapter_config.json").read_text())
+        assert config_json == source.peft_config
+        for server in servers[:2]:
+            assert server.state()["version"] == "1"
+            assert server.state()["loras"] == {"gspo_v1": str(tmp_path / "adapter_v1")}
+        refused = _generate(servers[0], "gspo_v9")  # never loaded
+        assert "never been loaded: gspo_v9" in refused["error"]["message"]
+        assert isinstance(_generate(servers[0], "gspo_v1"), list)
+        assert "LoRA is not enabled" in _generate(servers[2], "gspo_v1")["error"]["message"]
+        for version in (2, 3):
+            live, failures = urls[:2], {}
+            updater.update(AdapterSource(seed=version), version, live, failures)
+            assert live == urls[:2] and failures == {}
+            for server in servers[:2]:
+                held = {f"gspo_v{version}": str(tmp_path / f"adapter_v{version}")}
+                assert server.state()["loras"] == held
+                assert server.state()["version"] == str(version)
+        # v2, unloaded, stays on disk (a late request naming it loads it again: below)
+        assert not (tmp_path / "adapter_v1").exists() and (tmp_path / "adapter_v2").is_dir()
+        # a re-sync at the same version sends nothing new to a server that holds it
+        again = AdapterSource(seed=3)
+        live = urls[:2]
+        updater.update(again, 3, live, {})
+        assert again.yielded == 1 and live == urls[:2]
+        # loaded but not tagged: the re-sync tags it and unloads the old one, loading nothing
+        servers[0].fault("/update_weight_version", "500")
+        live, failures = urls[:2], {}
+        updater.update(AdapterSource(seed=4), 4, live, failures)
+        assert live == urls[1:2] and list(failures) == urls[:1]
+        assert servers[0].state()["version"] == "3" and "gspo_v4" in servers[0].state()["loras"]
+        live, failures = urls[:1], {}
+        updater.update(AdapterSource(seed=4), 4, live, failures)
+        assert live == urls[:1] and failures == {}
+        assert servers[0].state()["version"] == "4"
+        assert servers[0].state()["loras"] == {"gspo_v4": str(tmp_path / "adapter_v4")}
+        assert (tmp_path / "adapter_v3").is_dir() and not (tmp_path / "adapter_v2").exists()
+        assert isinstance(_generate(servers[0], "gspo_v3"), list)
+        assert "gspo_v3" in servers[0].state()["loras"]
+        updater.update(AdapterSource(seed=5), 5, urls[:1], {})  # unloads it with v4
+        assert servers[0].state()["loras"] == {"gspo_v5": str(tmp_path / "adapter_v5")}
+        serving = LoRAServing.of(source.peft_config)
+        info = loop.run(client.get(urls[0], "/server_info"))
+        assert serving.refusal(urls[0], info) is None
+        info = loop.run(client.get(urls[2], "/server_info"))
+        assert "started without --enable-lora" in serving.refusal(urls[2], info)
+        info = loop.run(client.get(urls[3], "/server_info"))
+        assert "--max-lora-rank 2, below lora.rank=4" in serving.refusal(urls[3], info)
+        info = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]}
+        assert "without o_proj (lora.targets)" in serving.refusal(A, info)
+        assert "dp_size 2" in serving.refusal(A, {**info, "dp_size": 2})
+        assert serving.refusal(A, {**info, "lora_target_modules": ["all"]}) is None
+        assert serving.launch_args() == ["--enable-lora", "--max-lora-rank", "4",
+                                         "--lora-target-modules", "o_proj", "q_proj"]  # fmt: skip
+        for server in servers:
+            server.assert_not_crashed()
+    finally:
+        loop.run(client.close())
+        for server in servers:
+            server.stop()

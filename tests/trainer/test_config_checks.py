@@ -67,6 +67,11 @@ def test_refused(overrides, message):
     assert message in str(err.value)
 
 
+ADAPTER_SYNC = ["rollout.sglang.lora_sync=adapter", "rollout.sglang.weight_sync=disk",
+                "+rollout.sglang.disk_dir=/shared/adapters"]  # fmt: skip
+ATTENTION = "lora.targets=[attention.linear_qkv,attention.linear_proj]"
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -87,9 +92,21 @@ def test_refused(overrides, message):
         (["lora.rank=8", "lora.dropout=0.1"],
          "lora.rank=8 with lora.dropout=0.1: adapter dropout is not built yet"),
         (["lora.rank=8", "engine.use_te=true"], "lora.rank=8 with engine.use_te=true"),
-        (["lora.rank=8", "rollout=sglang", "rollout.sglang.lora_sync=adapter"],
-         "rollout.sglang.lora_sync=adapter with lora.rank=8: syncing the adapters through "
-         "SGLang's LoRA API"),
+        (["lora.rank=8", "rollout=sglang", "rollout.sglang.lora_sync=adapter", ATTENTION],
+         "rollout.sglang.lora_sync=adapter with rollout.sglang.weight_sync=tensor: the "
+         "adapters reach the servers as a PEFT directory"),
+        (["lora.rank=8", "rollout=sglang", *ADAPTER_SYNC, ATTENTION,
+          "lora.modules_to_save=[output_layer]"],
+         "rollout.sglang.lora_sync=adapter with lora.modules_to_save=['output_layer']: SGLang's "
+         "LoRA API loads lora_A/lora_B pairs"),
+        (["lora.rank=8", "rollout=sglang", *ADAPTER_SYNC],
+         "rollout.sglang.lora_sync=adapter with lora.targets=['all-linear'], which adapts "
+         "experts.linear_fc1, experts.linear_fc2: the PEFT adapter names expert adapters by "
+         "target_parameters"),
+        (["lora.rank=8", "rollout=sglang", *ADAPTER_SYNC, ATTENTION,
+          "+rollout.sglang.launch=[{model_path: m, port: 30001, dp_size: 2}]"],
+         "rollout.sglang.launch[0].dp_size=2 with rollout.sglang.lora_sync=adapter: SGLang "
+         "refuses dynamic LoRA loading with data-parallel replicas"),
         (["rollout=sglang", "rollout.sglang.lora_sync=adapter"],
          "rollout.sglang.lora_sync=adapter with lora.rank=null: there are no adapters to sync"),
         (["lora.rank=8", "trainer.export_hf_every=5"],
@@ -105,7 +122,8 @@ def test_refused(overrides, message):
     ],
     ids=["rank-0", "rank-negative", "alpha-without-rank", "dense-target-on-moe",
          "expert-target-on-dense", "router", "unknown-target", "no-targets", "dropout", "te",
-         "sglang-adapter", "sglang-adapter-without-lora", "hf-export", "saved-unknown",
+         "sglang-adapter-tensor", "sglang-adapter-saved", "sglang-adapter-experts",
+         "sglang-adapter-dp", "sglang-adapter-without-lora", "hf-export", "saved-unknown",
          "saved-tied", "saved-with-kl", "saved-without-rank"],
 )  # fmt: skip
 def test_lora_refused(overrides, message):
@@ -125,9 +143,11 @@ def test_lora_resolves_on_moe_and_dense_models():
     }  # fmt: skip
     for mode in ("one_step_off", "async"):  # the generator process merges the adapters
         assert resolved("lora.rank=8", f"rollout.mode={mode}")[0].rollout.mode == mode
-    # SGLang is sent the merged weights
+    # SGLang is sent the merged weights, or the adapters (attention targets, through disk_dir)
     raw = compose(["lora.rank=8", "rollout=sglang"])
     assert resolve(raw, 1, check_inputs=False)[0].rollout.sglang.lora_sync == "merged"
+    raw = compose(["lora.rank=8", "rollout=sglang", *ADAPTER_SYNC, ATTENTION])
+    assert resolve(raw, 1, check_inputs=False)[0].rollout.sglang.lora_sync == "adapter"
     raw = compose(["model=tiny_dense", "lora.rank=2", "lora.targets=[mlp.linear_fc2]"])
     cfg, model, _ = resolve(raw, 1)
     assert resolve_targets(cfg.lora.targets, model.is_moe) == {"mlp.linear_fc2"}

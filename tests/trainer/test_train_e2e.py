@@ -711,3 +711,46 @@ def test_multi_turn_episodes_on_sglang(tmp_path):
     assert all(ids[ids.index(opening) - 1] == tokenizer.eos_token_id for ids in later)
     # ... whose request starts with the request of the turn before it
     assert all(any(ids[: len(p)] == p for p in flat if len(p) < len(ids)) for ids in later)
+
+
+@pytest.mark.parametrize("layout", [(), ("parallel.tp=2", "parallel.sequence_parallel=true")],
+                         ids=["one-rank", "tp2"])  # fmt: skip
+def test_lora_adapters_synced_to_sglang_through_its_lora_api(tmp_path, layout):
+    """rollout.sglang.lora_sync=adapter: a LoRA policy (rank 4, attention; on one rank, and
+    TP-split on two, gathered by the sender) sends the stand-in
+    (started as SGLang would be for it: --enable-lora, --max-lora-rank, --lora-target-modules)
+    a PEFT adapter directory per version; it generates with the newest one named in every
+    /generate, and holds only that one at the end."""
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(REPO / "tests" / "rollout"))
+    from sglang_test_server import start_fake_server
+
+    lora = ["--enable-lora", "--max-lora-rank", "4",
+            "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj"]  # fmt: skip
+    server = start_fake_server(routed_experts=False, vocab_size=48, extra_args=lora)
+    adapters = tmp_path / "adapters"
+    try:
+        train(tmp_path / "run", "trainer.steps=2", "eval.every=0", "rollout=sglang",
+              f"+rollout.sglang.urls=[{server.url}]", "rollout.sglang.weight_sync=disk",
+              f"+rollout.sglang.disk_dir={adapters}", "rollout.sglang.lora_sync=adapter",
+              "lora.rank=4",
+              "lora.targets=[attention.linear_qkv,attention.linear_proj]", *layout,
+              nproc=2 if layout else 1)  # fmt: skip
+        log, state = server.log(), server.state()
+        server.assert_not_crashed()
+    finally:
+        server.stop()
+    loads = [e["body"]["lora_name"] for e in log if e["path"] == "/load_lora_adapter"]
+    assert len(loads) == 3 and len(set(loads)) == 3  # before the first step, after each
+    last = loads[-1]
+    assert state["loras"] == {last: str(adapters / f"adapter_v{last.removeprefix('gspo_v')}")}
+    assert not [e for e in log if e["path"] == "/update_weights_from_disk"]  # no full weights
+    named = [e["body"].get("lora_path") for e in log if e["path"] == "/generate"]
+    assert named[0] == loads[0] and set(named) <= set(loads), (loads, named)
+    written = load_file(str(Path(state["loras"][last]) / "adapter_model.safetensors"))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in written
+    assert all(".mlp." not in name for name in written)
+    config = json.loads((Path(state["loras"][last]) / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert len(metrics(tmp_path / "run")) == 2

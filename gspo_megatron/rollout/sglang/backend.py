@@ -1,6 +1,8 @@
 """The SGLang backend (`rollout.engine=sglang`): SGLang servers, launched by rank 0 or attached
 to, driven from rank 0 (engine.SGLangEngine, a ServerRolloutEngine), weights sent after each
-step (tensor / distributed / disk). Its settings are the `rollout.sglang` section (config.py).
+step (tensor / distributed / disk; a LoRA policy's merged, or its adapters alone through
+SGLang's LoRA API: rollout.sglang.lora_sync). Its settings are the `rollout.sglang` section
+(config.py).
 Registered in rollout/backends.py; it imports the engine when it builds one.
 """
 
@@ -24,16 +26,21 @@ OFFLOADED_SERVER_GIB = 2.0
 
 def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
     """The engine (rank 0, the weights' sender, launches and drives the servers:
-    rollout/driver.py) and the policy's weights as HF-named buckets (a LoRA policy's merged:
-    rollout.sglang.lora_sync=merged). The leader records the servers' released memory in the
-    run directory (docs/SGLANG.md, "Server memory")."""
-    from gspo_megatron.megatron.lora_sync import LoRAWeightSource
+    rollout/driver.py) and the policy's weights as HF-named buckets (a LoRA policy's merged,
+    or with rollout.sglang.lora_sync=adapter its adapters, PEFT-named). The leader records the
+    servers' released memory in the run directory (docs/SGLANG.md, "Server memory")."""
+    from gspo_megatron.megatron.lora_sync import LoRAAdapterSource, LoRAWeightSource
     from gspo_megatron.megatron.weight_export import MegatronWeightSource
     from gspo_megatron.rollout.sglang.engine import SGLangEngine
     from gspo_megatron.rollout.sglang.memory import RECORD_FILE
+    from gspo_megatron.rollout.sglang.updates.adapter import LoRAServing
 
-    if policy.lora is not None:
-        source = LoRAWeightSource.from_engine(policy)  # check(): lora_sync=merged
+    lora = None
+    if policy.lora is not None and cfg.rollout.sglang.lora_sync == "adapter":
+        source = LoRAAdapterSource.from_engine(policy)
+        lora = LoRAServing.of(source.peft_config)
+    elif policy.lora is not None:
+        source = LoRAWeightSource.from_engine(policy)
     else:
         source = MegatronWeightSource.from_engine(policy)
     engine = SGLangEngine(
@@ -42,6 +49,7 @@ def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
         partial_rollouts=cfg.rollout.mode == "async",
         memory_record=Path(run.run_dir) / RECORD_FILE,
         announce=run.announce,
+        lora=lora,
     )
     return engine, source
 
@@ -86,18 +94,38 @@ def check(cfg: RunConfig) -> None:
                 "rollout.sglang.lora_sync=adapter with lora.rank=null: there are no adapters to "
                 "sync (the key chooses how a LoRA policy's weights reach the servers)"
             )
-        raise ConfigError(
-            f"rollout.sglang.lora_sync=adapter with lora.rank={cfg.lora.rank}: syncing the "
-            "adapters through SGLang's LoRA API (/load_lora_adapter with a PEFT directory per "
-            "version, lora_path on every /generate) is not built yet; lora_sync=merged sends "
-            "base + alpha/r * B @ A through rollout.sglang.weight_sync (docs/LORA.md, "
-            '"Weight sync")'
-        )
+        _check_adapter_sync(cfg)
     if mode != "sync" and sglang.offload_after_generate:
         raise ConfigError(
             f"rollout.sglang.offload_after_generate with rollout.mode={mode}: batches generate "
             "while others are queued, so the servers' memory cannot leave after each one"
         )
+
+
+def _check_adapter_sync(cfg: RunConfig) -> None:
+    """What SGLang 0.5.23's LoRA API cannot take (docs/LORA.md, "Weight sync"); expert
+    targets, which need the model, are checked with the lora section (config.py)."""
+    sglang, key = cfg.rollout.sglang, "rollout.sglang.lora_sync=adapter"
+    if sglang.weight_sync != "disk":
+        raise ConfigError(
+            f"{key} with rollout.sglang.weight_sync={sglang.weight_sync}: the adapters reach "
+            "the servers as a PEFT directory per version under rollout.sglang.disk_dir, which "
+            "they load by path (/load_lora_adapter); set weight_sync=disk and disk_dir to a "
+            "directory every server can read"
+        )
+    if cfg.lora.modules_to_save:
+        raise ConfigError(
+            f"{key} with lora.modules_to_save={cfg.lora.modules_to_save}: SGLang's LoRA API "
+            "loads lora_A/lora_B pairs onto the base it was started from; a whole trained "
+            "weight cannot go through it. Use lora_sync=merged"
+        )
+    for i, lc in enumerate(sglang.launch):
+        if lc.dp_size != 1:
+            raise ConfigError(
+                f"rollout.sglang.launch[{i}].dp_size={lc.dp_size} with {key}: SGLang refuses "
+                "dynamic LoRA loading with data-parallel replicas (dp_size > 1); launch one "
+                "server per replica with dp_size=1"
+            )
 
 
 def missing_inputs(cfg: RunConfig) -> list[str]:
@@ -140,5 +168,5 @@ SGLANG = RolloutBackend(
     describe=describe,
     records_routes=lambda cfg: cfg.rollout.sglang.return_routed_experts,
     route_setting="rollout.sglang.return_routed_experts=true",
-    generates_with_adapters=True,  # merged into the weights it is sent (lora_sync=merged)
+    generates_with_adapters=True,  # merged into its weights, or loaded (rollout.sglang.lora_sync)
 )

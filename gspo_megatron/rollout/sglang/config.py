@@ -106,8 +106,8 @@ class SGLangEngineConfig:
     disk_dir: str | None = None
     disk_base_model_path: str | None = None
     # A LoRA policy (lora.rank): merged = base + alpha/r * B @ A sent through weight_sync like
-    # full weights; adapter = the adapters through SGLang's LoRA API (not built yet: refused by
-    # the backend's check). docs/LORA.md, "Weight sync".
+    # full weights; adapter = the adapters through SGLang's LoRA API, a PEFT directory per
+    # version under disk_dir (weight_sync=disk). docs/LORA.md, "Weight sync".
     lora_sync: str = choice("merged", "adapter")
 
     def validate(self, *, servers: bool = True) -> None:

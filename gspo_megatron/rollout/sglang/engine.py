@@ -39,6 +39,7 @@ from gspo_megatron.rollout.sglang.servers import (
     ServerState,
 )
 from gspo_megatron.rollout.sglang.startup import ServerStartup
+from gspo_megatron.rollout.sglang.updates.adapter import AdapterUpdater, LoRAServing
 from gspo_megatron.rollout.sglang.updates.base import WeightUpdater
 from gspo_megatron.rollout.sglang.updates.disk import DiskUpdater
 from gspo_megatron.rollout.sglang.updates.distributed import DistributedUpdater
@@ -76,6 +77,7 @@ class SGLangEngine:
         memory_record: str | Path | None = None,
         announce: Callable[[str], None] | None = None,
         status_interval_s: float = 60.0,
+        lora: LoRAServing | None = None,
     ) -> None:
         """`partial_rollouts` (rollout.mode=async): a weight update aborts the requests in
         flight and continues them on the new weights; otherwise it waits for them (SGLang holds
@@ -84,8 +86,10 @@ class SGLangEngine:
         directory>/sglang_memory.json), for a run resumed in the same directory; None: no record
         (a server the engine has no record of counts as resident). `announce(line)` tells the
         user what a wait for servers waits for, at once and every `status_interval_s` (default:
-        a warning in this module's log)."""
+        a warning in this module's log). `lora` (lora_sync=adapter): what the servers need to
+        serve the adapters; launched ones get its flags, attached ones are checked."""
         cfg.validate()
+        self._lora = lora
         self.cfg = cfg
         self.leader = leader
         routed = routed_shape(cfg)  # before any thread starts: a ValueError leaves none behind
@@ -138,7 +142,11 @@ class SGLangEngine:
             routed_shape=routed,
             partial_rollouts=partial_rollouts,
         )
-        self._updater = UPDATERS[cfg.weight_sync](cfg, self._client, self._loop, self._infos)
+        # lora_sync=adapter: the adapters through SGLang's LoRA API, written under disk_dir
+        updater = AdapterUpdater if cfg.lora_sync == "adapter" else UPDATERS[cfg.weight_sync]
+        self._updater = updater(cfg, self._client, self._loop, self._infos)
+        if isinstance(self._updater, AdapterUpdater):
+            self._generation.lora_path = lambda: self._updater.current
         if not leader:
             return
         startup = ServerStartup(
@@ -169,10 +177,17 @@ class SGLangEngine:
     def _start_servers(self, startup: ServerStartup) -> None:
         for i, lc in enumerate(self.cfg.launch):
             proc = SGLangServerProcess(lc, Path(self.cfg.log_dir) / f"sglang_{i}_{lc.port}.log")
+            if self._lora is not None:
+                proc.command += self._lora.launch_args()
             self._servers.append(proc)
             proc.start()
         launched = {p.url: p for p in self._servers}
         self._run(startup.wait(self.urls, launched, self.cfg.health_timeout_s))
+        if self._lora is not None:
+            for url in self.urls:
+                info = self._run(self._infos.get(url))
+                if (why := self._lora.refusal(url, info)) is not None:
+                    raise ValueError(why)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coro)

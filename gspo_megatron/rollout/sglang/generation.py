@@ -244,6 +244,8 @@ class Generation:
         self.reachable = reachable
         self.partial_rollouts = partial_rollouts
         self.versions = WeightVersions()
+        # lora_sync=adapter: the adapter name each /generate carries (None: the base weights)
+        self.lora_path: Callable[[], str | None] = lambda: None
         self.routed_shape = routed_shape
         self._seed_rng = random.Random(cfg.seed)
         self._jobs: set[concurrent.futures.Future] = set()
@@ -416,6 +418,8 @@ class Generation:
         )
         for attempt in range(self.cfg.max_resubmits + 1):
             url = self.router or await self._acquire_held()
+            if (adapter := self.lora_path()) is not None:
+                body["lora_path"] = adapter  # the newest adapter (lora_sync=adapter)
             stale = False
             try:
                 answer = await self._while_alive(url, self.client.post(url, "/generate", body))
