@@ -33,7 +33,6 @@ from gspo_megatron.rollout.backends import rollout_backend
 from gspo_megatron.rollout.sglang.config import SGLangEngineConfig
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.lora import (
-    EXPERT_TARGETS,
     LoRASettings,
     resolve_modules_to_save,
     resolve_targets,
@@ -986,23 +985,6 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
     for refused, reason in not_yet:
         if refused:
             raise ConfigError(f"lora.rank={lora.rank} with {reason} (docs/LORA.md)")
-    _check_sglang_adapter_targets(cfg, model)
-
-
-def _check_sglang_adapter_targets(cfg: RunConfig, model: ModelConfig) -> None:
-    """Expert adapters are named in PEFT's adapter_config.json by target_parameters, which
-    SGLang 0.5.23's LoRA loader does not read (it sizes and matches by target_modules)."""
-    if cfg.rollout.engine != "sglang" or cfg.rollout.sglang.lora_sync != "adapter":
-        return
-    experts = sorted(resolve_targets(cfg.lora.targets, model.is_moe) & set(EXPERT_TARGETS))
-    if experts:
-        raise ConfigError(
-            f"rollout.sglang.lora_sync=adapter with lora.targets={cfg.lora.targets}, which "
-            f"adapts {', '.join(experts)}: the PEFT adapter names expert adapters by "
-            "target_parameters, which SGLang 0.5.23's LoRA loader does not read; target "
-            "attention only (lora.targets=[attention.linear_qkv,attention.linear_proj]) or "
-            "use lora_sync=merged (docs/LORA.md)"
-        )
 
 
 def _critic_has_own_layout(cfg: RunConfig) -> bool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from gspo_megatron.config_fields import ConfigError
 from gspo_megatron.rollout.backends import RolloutBackend, RolloutShare, RunContext
+from gspo_megatron.spec.lora import EXPERT_TARGETS, resolve_targets
 
 if TYPE_CHECKING:
     from gspo_megatron.config import RolloutSection, RunConfig
@@ -103,8 +104,7 @@ def check(cfg: RunConfig) -> None:
 
 
 def _check_adapter_sync(cfg: RunConfig) -> None:
-    """What SGLang 0.5.23's LoRA API cannot take (docs/LORA.md, "Weight sync"); expert
-    targets, which need the model, are checked with the lora section (config.py)."""
+    """What SGLang 0.5.23's LoRA API cannot take (docs/LORA.md, "Weight sync")."""
     sglang, key = cfg.rollout.sglang, "rollout.sglang.lora_sync=adapter"
     if sglang.weight_sync != "disk":
         raise ConfigError(
@@ -126,6 +126,18 @@ def _check_adapter_sync(cfg: RunConfig) -> None:
                 "dynamic LoRA loading with data-parallel replicas (dp_size > 1); launch one "
                 "server per replica with dp_size=1"
             )
+    # expert adapters are named in PEFT's adapter_config.json by target_parameters, which
+    # SGLang 0.5.23's LoRA loader does not read (it sizes and matches by target_modules)
+    is_moe = cfg.model.model_config().is_moe
+    experts = sorted(resolve_targets(cfg.lora.targets, is_moe) & set(EXPERT_TARGETS))
+    if experts:
+        raise ConfigError(
+            f"{key} with lora.targets={cfg.lora.targets}, which adapts {', '.join(experts)}: "
+            "the PEFT adapter names expert adapters by target_parameters, which SGLang "
+            "0.5.23's LoRA loader does not read; target attention only "
+            "(lora.targets=[attention.linear_qkv,attention.linear_proj]) or use "
+            "lora_sync=merged (docs/LORA.md)"
+        )
 
 
 def missing_inputs(cfg: RunConfig) -> list[str]:
