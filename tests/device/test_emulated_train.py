@@ -146,3 +146,26 @@ def test_gspo_train_lora_tp2_sp_from_hugging_face_with_kl(tmp_path):
     )  # fmt: skip
     records = read_metrics(run)
     assert len(records) == 2 and records[-1]["actor/kl_ref"] > 0
+
+
+def test_gspo_train_multi_turn_kept_context_and_turn_credit(tmp_path):
+    """One rank running episodes with the torch decoder: the K/V kept between an episode's
+    turns (rollout.prefix_cache_tokens) live on the device with the batch's cache they are
+    copied into, and per-turn credit's token advantages reach the loss there."""
+    emulated_train(
+        tmp_path, "env.name=envs.scripted_envs:TwoObservations", "env.max_tokens=40",
+        "model.tokenizer=char_tools", "model.vocab_size=80", "rollout.max_new_tokens=12",
+        "rollout.group_size=8", "algorithm=gspo_token", "algorithm.credit=turn",
+        "algorithm.turn_gamma=0.5", "trainer.steps=2", "eval.every=0",
+    )  # fmt: skip
+    records = read_metrics(tmp_path)
+    assert len(records) == 2 and all(r["env/turns_mean"] > 1 for r in records)
+    assert all(r["rollout/prefix_cache_reused_tokens"] > 0 for r in records)
+
+
+def test_gspo_train_lora_async(tmp_path):
+    """LoRA adapters with asynchronous rollouts: the adapters (and the base, once) gathered
+    from the devices for the generator process, which merges them."""
+    emulated_train(tmp_path, "lora.rank=4", "rollout.mode=async", "trainer.steps=3", "eval.every=0")
+    records = read_metrics(tmp_path)
+    assert len(records) == 3 and records[-1]["async/staleness_max"] == 1
