@@ -27,6 +27,8 @@ import math
 import statistics
 import time
 
+from bench_weight_sync import wide_moe  # benchmarks/ is the script's directory
+
 
 def timed(fn, repeats: int) -> tuple[float, int]:
     """Median seconds of `fn()` over `repeats` after one untimed call, and the bytes it
@@ -46,20 +48,7 @@ def bucket_bytes(buckets) -> int:
 def tiny_moe(hidden: int | None, layers: int):
     from gspo_megatron.spec.model_config import load_preset
 
-    if hidden is None:
-        return load_preset("tiny_moe")
-    return load_preset(
-        "tiny_moe",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        vocab_size=32000,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=hidden // 8,
-        moe_intermediate_size=hidden,
-        num_experts=8,
-        make_vocab_size_divisible_by=128,
-    )
+    return load_preset("tiny_moe") if hidden is None else wide_moe(hidden, layers)
 
 
 def measured(model, rank: int, repeats: int) -> list[tuple[str, float, int]]:

@@ -27,18 +27,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def build_source(hidden: int, layers: int):
-    from gspo_megatron.megatron import cpu_compat
-
-    cpu_compat.apply()  # before megatron-core is imported
-    from gspo_megatron.megatron import parallel
-    from gspo_megatron.megatron.training_engine import TrainingEngine
-    from gspo_megatron.megatron.weight_export import MegatronWeightSource
-    from gspo_megatron.spec.layout import ParallelLayout
+def wide_moe(hidden: int, layers: int):
+    """tiny_moe widened to `hidden` with `layers` layers, 8 experts and a 32k vocabulary."""
     from gspo_megatron.spec.model_config import load_preset
-    from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
-    model = load_preset(
+    return load_preset(
         "tiny_moe",
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -50,6 +43,19 @@ def build_source(hidden: int, layers: int):
         num_experts=8,
         make_vocab_size_divisible_by=128,
     )
+
+
+def build_source(hidden: int, layers: int):
+    from gspo_megatron.megatron import cpu_compat
+
+    cpu_compat.apply()  # before megatron-core is imported
+    from gspo_megatron.megatron import parallel
+    from gspo_megatron.megatron.training_engine import TrainingEngine
+    from gspo_megatron.megatron.weight_export import MegatronWeightSource
+    from gspo_megatron.spec.layout import ParallelLayout
+    from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
+
+    model = wide_moe(hidden, layers)
     layout = ParallelLayout()
     parallel.initialize(layout, seed=0)
     engine = TrainingEngine(
