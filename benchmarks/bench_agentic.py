@@ -19,11 +19,22 @@ turns.
 
 Rounds alternate the two orders, so drift of the shared machine hits both alike; the table
 reports, for each median tool latency, medians of episodes per second and their ratio (goal
->= 1.5x on 2 cores; the engine's rounds cost about as much for one episode as for many, so with
-tools much faster than a round the turn-synchronous batches win), and the
-prefill tokens: what an engine that re-prefills each turn's whole context processes, next to
-the new tokens of each turn (the prompt, or the last turn and observation), which is all an
-engine that keeps each episode's KV cache between turns has to prefill.
+>= 1.5x on 2 cores), and beside it the ceiling: the ratio if generation took no time, which no
+engine with a per-turn cost independent of the batch can beat. The turn-synchronous loop waits,
+per turn, for the slowest tool call of the episodes still live; per episode, the batch is over
+when the episode whose tool calls sum longest is: ceiling = (sum over turns of the slowest
+call) / (the longest episode's calls summed), from the drawn latencies (1.47x for the default
+32 episodes: the goal is out of reach of this workload at any latency where generation is
+cheap next to the tools). Then the engine's share of the wall time (generate calls and their
+seconds, each way: where the time goes), and the prefill tokens: what an engine that
+re-prefills each turn's whole context processes, next to the new tokens of each turn (the
+prompt, or the last turn and observation), which is all an engine that keeps each episode's KV
+cache between turns has to prefill.
+
+Equal work, checked: the same episodes (prompts, turns and tool latencies fixed by each
+episode's label), the same number of model turns (asserted) and the same context lengths at
+every turn (the prefill counts, asserted equal), so the same number of generated tokens. The
+token ids differ (the two loops seed their batches differently), their count does not.
 """
 
 from __future__ import annotations
@@ -51,13 +62,19 @@ class Tool(Environment):
     observation = [5, 6, 7, 8, 9, 10]
 
     def reset(self, prompt, label=None):
-        rng = random.Random(label)
-        self.turns = rng.randint(1, 6)
-        self.latencies = [
-            min(self.median_latency_s * rng.lognormvariate(0.0, 1.5), 20 * self.median_latency_s)
-            for _ in range(self.turns - 1)
-        ]
+        self.turns, self.latencies = self.draw(label)
         self.done = 0
+
+    @classmethod
+    def draw(cls, label) -> tuple[int, list[float]]:
+        """(model turns, the latency of each tool call) of the episode labelled `label`."""
+        rng = random.Random(label)
+        turns = rng.randint(1, 6)
+        median = cls.median_latency_s
+        latencies = [
+            min(median * rng.lognormvariate(0.0, 1.5), 20 * median) for _ in range(turns - 1)
+        ]
+        return turns, latencies
 
     def step(self, turn):
         self.done += 1
@@ -73,9 +90,14 @@ class FixedTurns:
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.calls = 0
+        self.seconds = 0.0  # in generate
 
     def generate(self, prompts, n, params):
+        started = time.perf_counter()
         groups = self.engine.generate(prompts, n, params)
+        self.calls += 1
+        self.seconds += time.perf_counter() - started
         for s in (s for g in groups for s in g):
             s.finish_reason = "stop"
         return groups
@@ -109,6 +131,14 @@ def turn_synchronous(runner, engine, prompts, params):
                 going.append(i)
         live = going
     return contexts, whole, new
+
+
+def ceiling(prompts) -> float:
+    """The per-episode / turn-synchronous ratio if generation took no time: the sum over turns
+    of the slowest tool call of the episodes still live, over the longest episode's calls."""
+    latencies = [Tool.draw(p.label)[1] for p in prompts]
+    slowest = sum(max((c[k] for c in latencies if len(c) > k), default=0.0) for k in range(6))
+    return slowest / max(sum(c) for c in latencies)
 
 
 def prefill_counts(groups) -> tuple[int, int]:
@@ -173,22 +203,33 @@ def main() -> None:
           f"latency log-normal (sigma 1.5, capped at 20x the median), {args.repeats} rounds "
           f"each, torch threads {args.threads}")  # fmt: skip
     print(f"{'median tool latency':>20} {'turn-sync ep/s':>15} {'per-episode ep/s':>17} "
-          f"{'ratio':>6} {'prefill: whole ctx':>19} {'new tokens only':>16}")  # fmt: skip
+          f"{'ratio':>6} {'ceiling':>8} {'engine: turn-sync':>18} {'per-episode':>16} "
+          f"{'prefill: whole ctx':>19} {'new tokens only':>16}")  # fmt: skip
     for latency in args.median_latency_s:
         Tool.median_latency_s = latency
         timings = {"turn-synchronous": [], "per-episode": []}
-        prefill = {}
+        prefill, engine_time = {}, {name: [0, 0.0, 0.0] for name in timings}
         for r in range(args.repeats):
             for name, fn in ways if r % 2 == 0 else ways[::-1]:
+                engine.calls, engine.seconds = 0, 0.0
                 started = time.perf_counter()
                 prefill[name] = fn()
                 timings[name].append(time.perf_counter() - started)
+                spent = engine_time[name]
+                spent[0] += engine.calls
+                spent[1] += engine.seconds
+                spent[2] += timings[name][-1]
         assert prefill["per-episode"] == prefill["turn-synchronous"]  # the same work
         rate = {name: args.episodes / statistics.median(t) for name, t in timings.items()}
         ratio = rate["per-episode"] / rate["turn-synchronous"]
         whole, new = prefill["per-episode"]
+        # per run: generate calls, and the share of the wall time spent in them
+        share = {name: f"{c / args.repeats:4.1f} calls {s / wall:4.0%}"
+                 for name, (c, s, wall) in engine_time.items()}  # fmt: skip
         print(f"{latency * 1e3:17g} ms {rate['turn-synchronous']:15.2f} "
-              f"{rate['per-episode']:17.2f} {ratio:5.2f}x {whole:19d} {new:16d}")  # fmt: skip
+              f"{rate['per-episode']:17.2f} {ratio:5.2f}x {ceiling(prompts):7.2f}x "
+              f"{share['turn-synchronous']:>18} {share['per-episode']:>16} "
+              f"{whole:19d} {new:16d}")  # fmt: skip
     runner.close()
 
 

@@ -1,8 +1,9 @@
 """Multi-turn episodes under rollout.mode one_step_off / async through `gspo-train` on the embedded
 engine's generator process and on SGLang (the stand-in): the episode loop runs on rank 0 beside
-the training, every turn a job of the engine under the staleness bound; a kill -9 in the middle
-of the asynchronous episodes leaves no generator or environment worker behind, and the resumed
-run records every step once."""
+the training, every turn a job of the engine under the staleness bound (the generator process
+keeps each episode's K/V between its turns' jobs); a kill -9 in the middle of the asynchronous
+episodes leaves no generator or environment worker behind, and the resumed run records every
+step once."""
 
 from __future__ import annotations
 
@@ -50,6 +51,9 @@ def test_episodes_generated_ahead_through_gspo_train(tmp_path, mode):
     assert all(r["async/staleness_max"] <= 1 and r["async/dropped_samples"] == 0 for r in records)
     assert all(r["actor/optimizer_steps"] >= 1 for r in records)
     assert "eval/pass@1" in records[-1]
+    # the generator process keeps an episode's K/V between its turns' jobs
+    assert sum(r["rollout/prefix_cache_reused_tokens"] for r in records) > 0
+    assert all(r["rollout/prefill_tokens"] > 0 for r in records)
     time.sleep(1)
     assert not _orphans(started)
 

@@ -11,12 +11,18 @@ does; the same calls run with and without a prefix cache:
   than the budget is not kept, and the prefill falls back to the whole prompt;
 - a new weight version drops every context (counted), and the samples are those of the new
   weights;
-- a decoder that cannot reuse K/V (megatron's) counts every prompt it prefills whole.
+- a decoder that cannot reuse K/V (megatron's) counts every prompt it prefills whole;
+- the generator process (rollout.mode one_step_off / async) keeps each job's K/V for the next
+  job (an episode's next turn), samples as without them, and drops them when it takes new
+  weights (counted).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import threading
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +31,12 @@ import torch
 
 from gspo_megatron.rollout.base import RolloutSample, SamplingParams
 from gspo_megatron.rollout.embedded.batching import GenerationBatch, make_sequences, plan_batches
+from gspo_megatron.rollout.embedded.generator import (
+    GeneratorProcessEngine,
+    GeneratorSettings,
+    ProcessGenerator,
+    _Job,
+)
 from gspo_megatron.rollout.embedded.prefix_cache import (
     KeptContext,
     PrefixCache,
@@ -138,6 +150,19 @@ class TinyEngine:
         return [results[k] for k in range(len(prompts))]
 
 
+def tiny_spec(cfg: ModelConfig) -> DecoderSpec:
+    return DecoderSpec(
+        heads=cfg.num_attention_heads,
+        groups=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        topk=cfg.num_experts_per_tok if cfg.is_moe else 0,
+        pre_softmax=False,
+        router_dtype=None,
+        vocab_size=VOCAB,
+        scale=1 / math.sqrt(cfg.head_dim),
+    )
+
+
 def make_engine(
     moe: bool,
     budget: int | None,
@@ -147,16 +172,7 @@ def make_engine(
     dtype: torch.dtype = torch.float32,
 ):
     cfg = tiny_config(moe)
-    spec = DecoderSpec(
-        heads=cfg.num_attention_heads,
-        groups=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        topk=cfg.num_experts_per_tok if moe else 0,
-        pre_softmax=False,
-        router_dtype=None,
-        vocab_size=VOCAB,
-        scale=1 / math.sqrt(cfg.head_dim),
-    )
+    spec = tiny_spec(cfg)
     table = rope_table(cfg)
 
     def weights(seed: int):
@@ -335,3 +351,104 @@ def test_decoder_without_kept_context_is_counted():
     counts = engine.prefix_cache.take_counts()
     assert counts.unsupported == 2 * len(prompts)
     assert counts.hits == counts.reused_tokens == len(engine.prefix_cache) == 0
+
+
+def generator_settings(moe: bool, budget: int) -> GeneratorSettings:
+    cfg = tiny_config(moe)
+    spec = tiny_spec(cfg)
+    return GeneratorSettings(
+        model=cfg,
+        spec=spec,
+        max_batch_tokens=4096,
+        max_sequence_length=256,
+        record_routes=moe,
+        route_shape=(cfg.num_hidden_layers, spec.topk),
+        partial=False,
+        seed=0,
+        prefix_cache_tokens=budget,
+    )
+
+
+def test_generator_process_keeps_context_between_jobs():
+    """rollout.mode one_step_off / async: the generator process keeps each job's K/V for the
+    next (an episode's next turn is a job of its own), samples as without them, and drops them
+    when it takes new weights."""
+    cfg = tiny_config(True)
+    generators = []
+    for budget in (4096, 0):
+        staging = {k: v.clone() for k, v in random_weights(cfg, 0).items()}
+        published = types.SimpleNamespace(value=0)
+        generator = ProcessGenerator(
+            generator_settings(True, budget), staging, rope_table(cfg), threading.Lock(), published
+        )
+        generator.take_weights()
+        generators.append(generator)
+    cached, plain = generators
+    jobs = itertools.count()
+
+    def run(generator, prompts, params, version=0):
+        job = _Job(next(jobs), prompts, 1, params, min_version=version, urgent=False)
+        samples, progress = generator.run(job)
+        assert progress is None
+        return [g[0] for g in samples]
+
+    prompts = first_prompts()
+    turn1 = run(cached, prompts, PARAMS)
+    assert_same_samples(turn1, run(plain, prompts, PARAMS))
+    counts, held = cached.take_cache_counts()
+    assert counts.kept == len(prompts) and counts.hits == 0
+    assert plain.take_cache_counts() is None
+    contexts = next_prompts(prompts, turn1, [3] * len(prompts))
+    turn2 = run(cached, contexts, PARAMS)
+    assert_same_samples(turn2, run(plain, contexts, PARAMS))
+    counts, held = cached.take_cache_counts()
+    assert counts.hits == len(prompts)
+    assert counts.prefill_tokens == len(prompts) * (1 + 3)  # turn one's last token, observation
+    assert counts.reused_tokens == sum(len(c) - 4 for c in contexts)
+    assert held == cached.prefix_cache.held_tokens > 0
+    # new weights: everything kept is dropped as they are taken (counted), not reused
+    for generator in generators:
+        generator.staging.update(random_weights(cfg, 1))
+        generator.published.value = 1
+        assert generator.take_weights()
+    assert len(cached.prefix_cache) == 0 and cached.prefix_cache.held_tokens == 0
+    contexts = next_prompts(contexts, turn2, [2] * len(prompts))
+    turn3 = run(cached, contexts, PARAMS, version=1)
+    assert_same_samples(turn3, run(plain, contexts, PARAMS, version=1), tol=0.0)
+    counts, _ = cached.take_cache_counts()
+    assert counts.invalidated == len(prompts) and counts.hits == 0
+    assert counts.prefill_tokens == sum(map(len, contexts))
+    assert {s.weight_version for s in turn3} == {1}
+
+
+def test_generator_process_reports_kept_context():
+    """The process's counts reach the trainer with each job: rollout/prefix_cache_* metrics as
+    in rollout.mode=sync, a weight update's dropped contexts included."""
+    cfg = tiny_config(False)
+    settings = generator_settings(False, 4096)
+    tensors = random_weights(cfg, 0)
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    engine = GeneratorProcessEngine(settings, shapes, rope_table(cfg), leader=True)
+    try:
+
+        def update(seed: int, version: int) -> None:
+            bucket = list(random_weights(cfg, seed).items())
+            engine.update_weights(types.SimpleNamespace(buckets=lambda size: [bucket]), version)
+
+        update(0, 0)
+        prompts = first_prompts()
+        turn1 = [g[0] for g in engine.generate(prompts, 1, PARAMS)]
+        contexts = next_prompts(prompts, turn1, [3] * len(prompts))
+        engine.generate(contexts, 1, PARAMS)
+        metrics = engine.fault_metrics()
+        assert metrics["rollout/prefix_cache_hits"] == len(prompts)
+        assert metrics["rollout/prefill_tokens"] == sum(map(len, prompts)) + len(prompts) * 4
+        assert metrics["rollout/prefix_cache_reused_tokens"] == sum(len(c) - 4 for c in contexts)
+        assert metrics["rollout/prefix_cache_held_tokens"] > 0
+        update(1, 1)
+        engine.generate(contexts, 1, PARAMS)
+        metrics = engine.fault_metrics()
+        assert metrics["rollout/prefix_cache_invalidated"] == len(prompts)
+        assert metrics["rollout/prefix_cache_hits"] == 0
+    finally:
+        engine.close()

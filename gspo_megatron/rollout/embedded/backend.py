@@ -90,6 +90,7 @@ def generator_settings(cfg: RunConfig, policy: TrainingEngine, record_routes: bo
         seed=cfg.seed,
         device=str(accelerator()) if torch.cuda.is_available() else "cpu",
         lora_scaling=policy.lora.scaling if policy.lora is not None else None,
+        prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
     )
     return settings, model.rotary_pos_emb.get_emb(max_length)[:, 0, 0, :].cpu()
 
@@ -103,10 +104,13 @@ def records_routes(cfg: RunConfig) -> bool:
 
 
 def memory_share(rollout: RolloutSection) -> RolloutShare:
-    """A KV cache of rollout.max_batch_tokens slots while generating, and in rollout.mode=sync
-    the context kept between calls (rollout.prefix_cache_tokens); both freed before training."""
-    kept = rollout.prefix_cache_tokens if rollout.mode == "sync" else 0
-    return RolloutShare(kv_cache_tokens=rollout.max_batch_tokens, kept_kv_tokens=kept)
+    """A KV cache of rollout.max_batch_tokens slots while generating, and the context kept
+    between calls (rollout.prefix_cache_tokens): in rollout.mode=sync both freed before
+    training; the generator process (one_step_off / async) keeps its context until the next
+    weight update."""
+    return RolloutShare(
+        kv_cache_tokens=rollout.max_batch_tokens, kept_kv_tokens=rollout.prefix_cache_tokens
+    )
 
 
 EMBEDDED = RolloutBackend(

@@ -19,6 +19,11 @@ its adapters (PEFT-named, megatron/lora_sync.py) with every one; the process mer
 base + alpha/r * B @ A, each time it takes new weights, so the decoder runs the adapted policy
 at the base's cost per token (docs/LORA.md, "Weight sync").
 
+With `prefix_cache_tokens` (rollout.prefix_cache_tokens) the process keeps the K/V of finished
+sequences between jobs (rollout/embedded/prefix_cache.py), so an episode's next turn, a job of its
+own, prefills only the tokens its context adds; it drops them all as it takes new weights.
+Each job's counts go to the trainer ahead of its result (`fault_metrics`: rollout/prefix_cache_*).
+
 Jobs carry `min_version`: the process starts a job only with weights at least that new (the
 staleness bound; it waits for them otherwise), evaluation jobs go before queued training jobs,
 and each result reports how long the process waited for jobs and for weights.
@@ -62,6 +67,11 @@ from gspo_megatron.rollout.base import (
     WeightSource,
 )
 from gspo_megatron.rollout.embedded.batching import GenerationBatch, make_sequences, plan_batches
+from gspo_megatron.rollout.embedded.prefix_cache import (
+    PrefixCache,
+    PrefixCacheCounts,
+    prefix_cache_metrics,
+)
 from gspo_megatron.rollout.embedded.sampling import sequence_seed
 from gspo_megatron.rollout.embedded.torch_decoder import (
     DecoderSpec,
@@ -97,6 +107,8 @@ class GeneratorSettings:
     lora_scaling: float | None = None
     # a LoRA policy's whole weights trained beside the adapters (HF names): with every update
     lora_trained: tuple[str, ...] = ()
+    # context kept between jobs (rollout.prefix_cache_tokens; 0: none), dropped by new weights
+    prefix_cache_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,6 +171,10 @@ class GeneratorProcessEngine:
         self._closed = False
         self._gone: str | None = None  # why the process can generate nothing more
         self._base_sent = False  # a LoRA policy's base weights went with an update
+        # the process's prefix-cache counts since `fault_metrics` last took them, and what it
+        # held after its last job
+        self._cache_counts = PrefixCacheCounts()
+        self._cache_held = 0
         if not leader:
             return
         ctx = torch.multiprocessing.get_context("spawn")
@@ -317,7 +333,14 @@ class GeneratorProcessEngine:
         self.version = version
 
     def fault_metrics(self) -> dict[str, float]:
-        return {}
+        """rollout/prefix_cache_* counts of the jobs finished since the last call (the context
+        the process keeps between jobs; none without rollout.prefix_cache_tokens; rank 0's)."""
+        if not self.settings.prefix_cache_tokens:
+            return {}
+        with self._changed:
+            counts, self._cache_counts = self._cache_counts, PrefixCacheCounts()
+            held = self._cache_held
+        return prefix_cache_metrics(counts, held)
 
     def _wait_for_pinned_jobs(self, version: int) -> None:
         """Pinned jobs of versions older than `version` take their weights from the staging
@@ -367,6 +390,11 @@ class GeneratorProcessEngine:
                 self._fail_pending(f"the generator process's result queue broke ({err})")
                 return
             kind, key, *payload = item
+            if kind == "cache":
+                with self._changed:
+                    self._cache_counts.add(payload[0])
+                    self._cache_held = payload[1]
+                continue
             if kind == "started":
                 with self._changed:
                     self._unstarted.pop(key, None)
@@ -438,8 +466,8 @@ class ProcessGenerator:
         self.weight_version = -1
         self.weights = None
         self.decoder = TorchDecoder(settings.spec, lambda: self.weights, settings.record_routes)
-        # no context kept between jobs yet: episodes run on the trainer's side in this mode
-        self.prefix_cache = None
+        tokens = settings.prefix_cache_tokens
+        self.prefix_cache = PrefixCache(tokens) if tokens else None
         self.swaps = 0
         self.sampled = 0  # tokens sampled by the job running
         # the last snapshot the trainer asked for (a shared counter) and the last one answered
@@ -470,7 +498,18 @@ class ProcessGenerator:
         self.weights = hf_decoder_weights(
             weights, self.settings.model, self.settings.spec, self.rope_table
         )
+        if self.prefix_cache is not None:
+            self.prefix_cache.invalidate()  # K/V of older weights: never reused, freed now
         return True
+
+    def take_cache_counts(self) -> tuple[PrefixCacheCounts, int] | None:
+        """A job is over: the prefix cache's counts since the last job, and the tokens it
+        holds (None without a cache)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        cache.end_call()
+        return cache.take_counts(), cache.held_tokens
 
     def snapshot_due(self) -> bool:
         wanted = self.snapshot_wanted
@@ -611,6 +650,9 @@ def _generator_main(
         stats.generate_s += time.monotonic() - started
         stats.weight_swaps += generator.swaps
         stats.sampled_tokens += generator.sampled
+        cache = generator.take_cache_counts()
+        if cache is not None:
+            results.put(("cache", job.job_id, *cache))
         if progress is not None:
             # Suspended for a snapshot: it goes on from what the snapshot records, first.
             pending.insert(0, dataclasses.replace(job, progress=progress, stats=stats))
