@@ -228,11 +228,12 @@ class RolloutSection:
     newest when it is submitted (or the bound's, if newer), instead of taking new weights between
     tokens: which weights sample which batch no longer depends on timing, so a run, killed and
     resumed or not, is deterministic; one_step_off always does (docs/ROLLOUT.md, "Checkpoints").
-    prefix_cache_tokens: (embedded engine, rollout.mode=sync) keys and values of finished
-    sequences kept between generate calls, at most this many tokens (0: none kept): a multi-turn
-    episode's next turn prefills only the tokens its context adds (docs/ROLLOUT.md, "Context kept
-    between turns"). Held while a step's rollouts run, dropped by every weight update and before
-    training; each token costs layers x 2 x kv heads x head dim x the dtype's bytes.
+    prefix_cache_tokens: (embedded engine) keys and values of finished sequences kept between
+    generate calls, at most this many tokens (0: none kept): a multi-turn episode's next turn
+    prefills only the tokens its context adds (docs/ROLLOUT.md, "Context kept between turns").
+    Dropped by every weight update; in rollout.mode=sync held while a step's rollouts run and
+    dropped before training, in the generator process of one_step_off / async held until its
+    next weight update. Each token costs layers x 2 x kv heads x head dim x the dtype's bytes.
     """
 
     engine: str = "embedded"  # a name of rollout/backends.py's ROLLOUT_BACKENDS
