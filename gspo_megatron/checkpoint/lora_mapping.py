@@ -13,8 +13,9 @@ adapter_config.json).
 
 `adapter_mapping` is a `ModelMapping` of those units, so the weight export's gather
 (megatron/weight_export.py) moves adapters from any layout as it moves weights.
-`merge_adapters` adds scaling * B @ A to the weights the adapters sit on. Imports no megatron
-code (the generator process merges with it).
+`merge_adapters` adds scaling * B @ A to the weights the adapters sit on (`merged_weight`, with
+which the embedded engine's torch decoder also merges a megatron layer's adapter). Imports no
+megatron code (the generator process merges with it).
 """
 
 from __future__ import annotations
@@ -154,6 +155,17 @@ def adapted_weights(names) -> dict[str, tuple[str, str]]:
     return out
 
 
+def merged_weight(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """weight + scaling * b @ a, computed in float32 at least (the caller casts it back).
+
+    Also right for a tensor-parallel shard: a column-parallel layer's B and weight are split
+    along the output (A whole), a row-parallel one's A and weight along the input (B whole)."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    return torch.addmm(weight.to(dtype), b.to(dtype), a.to(dtype), alpha=scaling)
+
+
 def merge_adapters(
     weights: Mapping[str, torch.Tensor],
     adapters: Mapping[str, torch.Tensor],
@@ -169,8 +181,7 @@ def merge_adapters(
         if name not in pairs:
             continue
         a, b = (adapters[n] for n in pairs[name])
-        dtype = torch.promote_types(weight.dtype, torch.float32)
-        value = torch.addmm(weight.to(dtype), b.to(dtype), a.to(dtype), alpha=scaling)
+        value = merged_weight(weight, a, b, scaling)
         if out is not None:
             merged[name] = out[name].copy_(value)
         else:

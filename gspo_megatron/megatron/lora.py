@@ -53,6 +53,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from gspo_megatron.checkpoint.lora_mapping import merged_weight
 from gspo_megatron.spec.lora import SAVED_MODULES, LoRASettings
 
 ADAPTER_PARAMETERS = ("lora_a", "lora_b")
@@ -83,6 +84,17 @@ class _Adapter:
         for param in (self.lora_a, self.lora_b):
             # experts' weights are reduced over expert-data-parallel ranks, not all of DP
             param.allreduce = getattr(weight, "allreduce", True)
+
+    def effective_weight(self) -> torch.Tensor:
+        """The weight this layer applies, for a forward without megatron's (the embedded
+        engine's torch decoder): base + alpha/r * B @ A merged into a new tensor of the
+        weight's dtype, outside autograd; the base weight itself when the adapters are off.
+        On this rank's shard under tensor parallelism, like the weight."""
+        if not self.lora_on:
+            return self.weight
+        with torch.no_grad():
+            merged = merged_weight(self.weight, self.lora_a, self.lora_b, self.lora_scaling)
+        return merged.to(self.weight.dtype)
 
     def _adapter_sharded_state_dict(
         self, out: dict, prefix: str, sharded_offsets, metadata, axis: dict

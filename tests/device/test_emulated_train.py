@@ -163,6 +163,25 @@ def test_gspo_train_multi_turn_kept_context_and_turn_credit(tmp_path):
     assert all(r["rollout/prefix_cache_reused_tokens"] > 0 for r in records)
 
 
+def test_gspo_train_lora_torch_decoder_kept_context(tmp_path):
+    """A LoRA policy on one rank generating with the torch decoder (each adapter merged into
+    its weight on the device at every batch, the output layer and final norm trained whole
+    beside them), running episodes with the K/V kept between turns: a decoder that could not
+    keep them would count every prompt as rollout/prefix_cache_unsupported."""
+    emulated_train(
+        tmp_path, "lora.rank=4", "lora.modules_to_save=[output_layer,final_norm]",
+        "env.name=envs.scripted_envs:TwoObservations", "env.max_tokens=40",
+        "model.tokenizer=char_tools", "model.vocab_size=80", "rollout.max_new_tokens=12",
+        "rollout.group_size=8", "trainer.steps=2", "eval.every=0",
+    )  # fmt: skip
+    records = read_metrics(tmp_path)
+    assert len(records) == 2 and all(r["env/turns_mean"] > 1 for r in records)
+    assert all(r["rollout/prefix_cache_reused_tokens"] > 0 for r in records)
+    assert all(r["rollout/prefix_cache_unsupported"] == 0 for r in records)
+    # the rollouts' log-probs are the adapted policy's (the trainer's recompute)
+    assert all(r["mismatch/logprob_abs_diff_max"] < 1e-5 for r in records)
+
+
 def test_gspo_train_lora_async(tmp_path):
     """LoRA adapters with asynchronous rollouts: the adapters (and the base, once) gathered
     from the devices for the generator process, which merges them."""

@@ -11,8 +11,8 @@ slot offset and return the logits of the last fed position (plus the routed expe
 * `TorchDecoder` (rollout/embedded/torch_decoder.py): the same Qwen3 / Qwen3-MoE math as
   a flat sequence of torch ops, bound here to the trainer's parameter tensors in place
   (`megatron_torch_decoder`). Used when the model is not split (tp = ep = etp = 1) and has the
-  local-spec Qwen3(-MoE) structure; `check_against` compares it with `GPTModel.forward` before
-  it is trusted.
+  local-spec Qwen3(-MoE) structure, LoRA adapters included (merged into their weights at each
+  batch); `check_against` compares it with `GPTModel.forward` before it is trusted.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from gspo_megatron.device import accelerator
+from gspo_megatron.megatron.lora import ADAPTED_LAYERS
 from gspo_megatron.rollout.embedded.torch_decoder import (
     DecoderLayer,
     DecoderSpec,
@@ -140,10 +141,12 @@ def torch_decoder_math_unsupported(model, config) -> str | None:
 
 def _module_unsupported(model) -> str | None:
     """Module types whose parameters `megatron_decoder_weights` cannot read, or None."""
-    if any(name.endswith(".lora_a") for name, _ in model.named_parameters()):
-        # A fresh adapter adds nothing, so `check_against` would pass and the adapters, once
-        # trained, would be left out of every rollout.
-        return "LoRA adapters (its math reads the base weights only)"
+    read = (".linear_qkv", ".linear_proj", ".linear_fc1", ".linear_fc2")
+    for name, module in model.named_modules():
+        # A fresh adapter adds nothing, so `check_against` would pass an adapter the decoder
+        # does not merge, which, once trained, would be left out of every rollout.
+        if isinstance(module, ADAPTED_LAYERS) and not name.endswith(read):
+            return f"a LoRA adapter on {name} (it merges those of {', '.join(read)} only)"
     if not isinstance(getattr(model.decoder, "final_layernorm", None), torch.nn.RMSNorm):
         return "final norm (a torch RMSNorm expected)"
     for layer in model.decoder.layers:
@@ -187,9 +190,19 @@ def decoder_spec(model, config, vocab_size: int) -> DecoderSpec:
     )
 
 
+def _weight(linear) -> torch.Tensor:
+    """A linear layer's weight as the model applies it: a LoRA layer's with its adapter merged
+    (megatron/lora.py), else the parameter itself."""
+    if isinstance(linear, ADAPTED_LAYERS):
+        return linear.effective_weight()
+    return linear.weight
+
+
 def megatron_decoder_weights(model, spec: DecoderSpec) -> DecoderWeights:
-    """`DecoderWeights` as views of a megatron model chunk's parameters (no copy: the
-    optimizer's in-place updates are seen by the next batch)."""
+    """`DecoderWeights` over a megatron model chunk's parameters, read at each batch: views of
+    them (no copy: the optimizer's in-place updates are seen by the next batch), except a LoRA
+    layer's weight, merged with its adapter into a copy for the batch (base + alpha/r * B @ A;
+    whole weights trained beside the adapters, lora.modules_to_save, are plain parameters)."""
     out = (
         model.shared_embedding_or_output_weight()
         if model.share_embeddings_and_output_weights
@@ -212,12 +225,12 @@ def megatron_decoder_weights(model, spec: DecoderSpec) -> DecoderWeights:
         layers.append(
             DecoderLayer(
                 norm_in=(layer.input_layernorm.weight, layer.input_layernorm.eps),
-                qkv_t=attn.linear_qkv.weight.t(),
+                qkv_t=_weight(attn.linear_qkv).t(),
                 qk_norm=qk_norm,
-                proj_t=attn.linear_proj.weight.t(),
+                proj_t=_weight(attn.linear_proj).t(),
                 norm_mlp=(layer.pre_mlp_layernorm.weight, layer.pre_mlp_layernorm.eps),
                 router_t=router_t,
-                mlps=[(e.linear_fc1.weight.t(), e.linear_fc2.weight.t()) for e in experts],
+                mlps=[(_weight(e.linear_fc1).t(), _weight(e.linear_fc2).t()) for e in experts],
             )
         )
     return DecoderWeights(
