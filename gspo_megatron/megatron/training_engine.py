@@ -231,7 +231,7 @@ class TrainingEngine:
         ]
         self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)
         self.scheduler = self._scheduler()
-        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.finalize_model_grads_func = grad_finalizer(self.model, self.config)
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.routes = RouteRecorder(self.model, self.config) if model_config.is_moe else None
 
@@ -872,6 +872,48 @@ class TrainingEngine:
         parts = [torch.empty_like(values) for _ in range(self.layout.cp)]
         dist.all_gather(parts, values.contiguous(), group=self._cp_group)
         return assemble_cp_rows(parts, seq_lengths.tolist()).float()
+
+
+def grad_finalizer(model: list[DistributedDataParallel], config) -> Callable:
+    """What the schedule calls after the last backward: megatron's `finalize_model_grads`, or
+    in a one-process job, where every collective it makes is over a group of one, only its
+    bookkeeping (`_finalize_one_process`).
+
+    The shortcut is taken only when it is provably the same: one process; gradients not scaled
+    before their reduction (a factor of 1: 1/dp); no fp32 copies to move into and out of the
+    communication buffer; and none of finalize_model_grads' local updates in use (the expert
+    bias, the global aux loss's tracker, quantile balancing, GTP, flextron).
+    """
+    groups = [
+        g for chunk in model for g in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+    ]
+    buckets = [b for g in groups for b in g.buckets]
+    balancing = config.moe_router_load_balancing_type
+    alone = (
+        dist.get_world_size() == 1
+        and all(
+            b.gradient_scaling_factor == 1.0 and not b.params_with_extra_main_grads for b in buckets
+        )
+        and not any(g.ddp_config.overlap_grad_reduce for g in groups)
+        and not config.moe_router_enable_expert_bias
+        and "global_aux_loss" not in balancing
+        and balancing != "quantile_balancing"
+        and config.gtp_weight_remat_size <= 1
+        and config.expert_gtp_weight_remat_size <= 1
+        and not getattr(config, "flextron", False)
+        and not config.calculate_per_token_loss
+    )
+    return partial(_finalize_one_process, groups) if alone else finalize_model_grads
+
+
+def _finalize_one_process(groups: list, model, num_tokens=None, **_) -> None:
+    """finalize_model_grads of one process: its reductions leave every gradient as it is (a
+    reduce-scatter or all-reduce over one rank); what is left is to mark the parameters' gather
+    as not yet dispatched, as its grad-sync does."""
+    if num_tokens is not None:
+        raise RuntimeError("per-token loss scaling is not used by this engine")
+    for group in groups:
+        group.param_gather_dispatched = False
 
 
 def _packed_seq_params(mb: MicroBatch) -> PackedRowsParams | None:
