@@ -52,6 +52,7 @@ class RouteRecorder:
             self.routers[key] = sorted(found, key=lambda item: item[0])
         self.record = False
         self.replay = False
+        self.count = False
         # Per layer [changed, compared, replayed, routed] tokens since `begin`, kept on the
         # device (no host sync per router call).
         self._counts: torch.Tensor | None = None
@@ -59,13 +60,15 @@ class RouteRecorder:
 
     # -- per schedule ------------------------------------------------------------------------
 
-    def begin(self, *, record: bool, replay: bool) -> None:
-        """record: keep the routes each forward used; replay: route with mb.routed_experts.
-
-        Without replay, recorded routes are also compared with mb.routed_experts when given.
+    def begin(self, *, record: bool, replay: bool, count: bool = True) -> None:
+        """record: keep the routes each forward used; replay: route with mb.routed_experts;
+        count: count the tokens for `step_metrics`: routed, replayed, and changed against
+        mb.routed_experts (recorded routes without replay; the router's own top-k under
+        replay). Generation and training steps that log no route metrics leave it off.
         """
         self.record = record
         self.replay = replay
+        self.count = count
         self._counts = None
         if replay:
             action = RouterReplayAction.REPLAY_FORWARD
@@ -85,7 +88,7 @@ class RouteRecorder:
                 replay_obj.clear_indices()
                 replay_obj.used_topk_idx = None
                 replay_obj.router_replay_action = None
-        self.record = self.replay = False
+        self.record = self.replay = self.count = False
 
     def before_forward(self, mb: MicroBatch, vp_stage: int | None) -> None:
         # Routes exist for every consumed token but the last of each sequence.
@@ -107,7 +110,7 @@ class RouteRecorder:
             routes = replay_obj.used_topk_idx if self.replay else replay_obj.recorded_topk_idx
             layers.append(layer)
             recorded.append(self._from_router_view(routes, mb.tokens.shape))
-            if mb.routed_experts is not None and not self.replay:
+            if mb.routed_experts is not None and not self.replay and self.count:
                 old = mb.routed_experts[:, :, layer, :]
                 self._count(layer, changed=(recorded[-1], old), valid=mb.has_label, routed=False)
         if sink is not None and layers:
@@ -235,8 +238,9 @@ class RouteRecorder:
         self._counts[layer] += row
 
     def _instrument(self, replay_obj, layer: int) -> None:
-        """Count every forward router call's tokens, and while replaying also compute the
-        router's own top-k (route changes) and keep the experts it returned (`used_topk_idx`)."""
+        """Keep the experts a replaying router returned (`used_topk_idx`), and while counting
+        (`begin`) count every forward router call's tokens, and while replaying also compute
+        the router's own top-k (route changes)."""
         recorder = self
         original = replay_obj.get_replay_topk
         replay_obj.used_topk_idx = None
@@ -248,11 +252,14 @@ class RouteRecorder:
             out = original(scores, topk, num_groups, group_topk, default_compute_topk)
             if action == RouterReplayAction.REPLAY_BACKWARD:
                 return out  # activation recomputation: already counted in the forward
+            if action == RouterReplayAction.REPLAY_FORWARD:
+                obj.used_topk_idx = out[1]
+            if not recorder.count:
+                return out
             valid = recorder._valid
             if valid is None:
                 valid = torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device)
             if action == RouterReplayAction.REPLAY_FORWARD:
-                obj.used_topk_idx = out[1]
                 _, natural = default_compute_topk(
                     scores, topk, num_groups=num_groups, group_topk=group_topk
                 )

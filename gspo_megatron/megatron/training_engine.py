@@ -349,7 +349,7 @@ class TrainingEngine:
             m.eval()
         try:
             if routes is not None:
-                routes.begin(record=True, replay=False)
+                routes.begin(record=True, replay=False, count=False)
             with torch.no_grad(), InferenceMode.active():
                 yield
         finally:
@@ -467,12 +467,21 @@ class TrainingEngine:
 
     @_on_own_layout
     def train_step(
-        self, samples: Sequence[TrainSample], loss: LossSettings, *, replay_routes: bool = False
+        self,
+        samples: Sequence[TrainSample],
+        loss: LossSettings,
+        *,
+        replay_routes: bool = False,
+        entropy_metric: bool = True,
+        route_metrics: bool = True,
     ) -> dict[str, float]:
         """One optimizer step on `samples` (the whole minibatch, identical on every rank).
 
         With `replay_routes`, MoE layers route with the samples' `routed_experts`; without it,
         given routes are only compared with the current ones (moe/route_change_fraction).
+        entropy_metric / route_metrics: whether this step computes actor/entropy (with
+        engine.entropy_metric; a loss with an entropy term always does) and the moe/* route
+        metrics (logging.costly_metrics_every, gspo_megatron/metrics_schedule.py).
         """
         self._check_trainable(want_value_head=False)
         validate_samples(samples, self.settings.max_sequence_length)
@@ -482,11 +491,10 @@ class TrainingEngine:
             raise ValueError("algorithm.kl_coef > 0 needs reference log-probs on every sample")
         seq_share = 1.0 / self.layout.cp
         cp_sum = self._cp_sum if self.layout.cp > 1 else None
+        with_entropy = loss.entropy_coef > 0 or (self.settings.entropy_metric and entropy_metric)
 
         def loss_terms(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = self._token_logprobs(
-                mb, logits, self.settings.entropy_metric or loss.entropy_coef > 0
-            )
+            lp, ent = self._token_logprobs(mb, logits, with_entropy)
             extra = {}
             if loss.kl_coef:
                 extra = {
@@ -524,8 +532,11 @@ class TrainingEngine:
             samples,
             loss_terms,
             self._global_denominator(samples, loss),
-            record_routes=not replay_routes and any(s.routed_experts is not None for s in samples),
+            record_routes=route_metrics
+            and not replay_routes
+            and any(s.routed_experts is not None for s in samples),
             replay_routes=replay_routes and self.routes is not None,
+            route_metrics=route_metrics,
         )
 
     @_on_own_layout
@@ -570,10 +581,12 @@ class TrainingEngine:
         *,
         record_routes: bool = False,
         replay_routes: bool = False,
+        route_metrics: bool = True,
     ) -> dict[str, float]:
         """Run the schedule with `loss_terms(mb, output) -> (loss_sum, metric_sums)` in it,
         normalised by the global `denominator` (§4 of docs/ARCHITECTURE.md), and take one
-        optimizer step unless a loss or gradient is non-finite."""
+        optimizer step unless a loss or gradient is non-finite; with `route_metrics` the
+        routers' counts (moe/*) too."""
         dp_cp = self.layout.dp * self.layout.cp
         num_mb_holder: list[int] = []
 
@@ -596,6 +609,7 @@ class TrainingEngine:
             num_microbatches_out=num_mb_holder,
             record_routes=record_routes,
             replay_routes=replay_routes,
+            count_routes=route_metrics,
         )
         metrics = finalize_metrics(
             self._reduce_metric_sums(per_mb), omit_empty=(CLIP_BUCKET_PREFIX,)
@@ -621,7 +635,7 @@ class TrainingEngine:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.current_lr(),
         )
-        if self.routes is not None:
+        if self.routes is not None and route_metrics:
             metrics.update(self.routes.step_metrics())
         return metrics
 
@@ -727,13 +741,14 @@ class TrainingEngine:
         record_routes: bool = False,
         replay_routes: bool = False,
         route_sink: list | None = None,
+        count_routes: bool = True,
     ) -> list[dict]:
         microbatches = self._microbatches(samples, token_advantages)
         if num_microbatches_out is not None:
             num_microbatches_out.append(len(microbatches))
         routes = self.routes
         if routes is not None:
-            routes.begin(record=record_routes, replay=replay_routes)
+            routes.begin(record=record_routes, replay=replay_routes, count=count_routes)
         device = accelerator()
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
