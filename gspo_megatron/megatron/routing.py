@@ -151,10 +151,15 @@ class RouteRecorder:
     # -- assembling recorded routes ---------------------------------------------------------
 
     def collect(self, samples: Sequence[TrainSample], outputs: list[dict]) -> list[np.ndarray]:
-        """Recorded routes per sample, int16 [len-1, num_layers, top_k], identical on all ranks."""
+        """Recorded routes per sample, int16 [len-1, num_layers, top_k], identical on all ranks.
+
+        Each micro-batch's forward of a model chunk recorded its layers for its samples; a
+        sample's routes are those chunks side by side in layer order (TP and CP ranks record the
+        same chunks: one of each is kept)."""
         cp = parallel_state.get_context_parallel_world_size()
         cp_group = parallel_state.get_context_parallel_group()
-        local: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
+        # sample -> {the chunk's layers: [len-1, len(layers), k]}
+        local: dict[int, dict[tuple[int, ...], np.ndarray]] = defaultdict(dict)
         for out in outputs:
             routes = out["routes"]  # this CP rank's row layout: [b, s_row, L_local, k] int16
             if cp > 1:
@@ -164,27 +169,29 @@ class RouteRecorder:
                 dist.all_gather(parts, wide, group=cp_group)
                 routes = assemble_cp_rows(parts, out["seq_lengths"].tolist()).to(torch.int16)
             routes = routes.cpu().numpy()  # one copy per micro-batch
+            layers = tuple(out["layers"])
             for row, index in enumerate(out["indices"]):
-                n = samples[index].length - 1
-                for j, layer in enumerate(out["layers"]):
-                    local[index][layer] = routes[row, :n, j]
-        by_sample: dict[int, dict[int, np.ndarray]] = local
+                local[index][layers] = routes[row, : samples[index].length - 1]
+        by_sample: dict[int, dict[tuple[int, ...], np.ndarray]] = local
         if dist.get_world_size() > 1:
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, dict(local))
             by_sample = defaultdict(dict)
             for part in gathered:
-                for index, layers in part.items():
-                    by_sample[index].update(layers)
+                for index, chunks in part.items():
+                    by_sample[index].update(chunks)
+        every_layer = tuple(range(self.num_layers))
         result = []
         for i in range(len(samples)):
-            layers = by_sample[i]
-            if len(layers) != self.num_layers:
+            chunks = sorted(by_sample[i].items())
+            layers = tuple(layer for chunk_layers, _ in chunks for layer in chunk_layers)
+            if layers != every_layer:
                 raise RuntimeError(
-                    f"routes of sample {i} cover {len(layers)} of {self.num_layers} layers"
+                    f"routes of sample {i} cover {len(set(layers))} of {self.num_layers} layers"
                 )
-            # np.stack copies: no sample keeps its micro-batch's array alive
-            result.append(np.stack([layers[layer] for layer in range(self.num_layers)], axis=1))
+            # copies: no sample keeps its micro-batch's array alive
+            parts = [part for _, part in chunks]
+            result.append(parts[0].copy() if len(parts) == 1 else np.concatenate(parts, axis=1))
         return result
 
     # -- router token order ----------------------------------------------------------------------
