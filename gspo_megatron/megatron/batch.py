@@ -283,8 +283,11 @@ def build_microbatch(
         positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
     else:
         positions = columns
-    # Without CP both layouts of padded rows are the rows themselves.
-    whole_rows = cp_size == 1 and not packed
+    # Without CP the row layout is the padded rows themselves, packed too: each row is as wide
+    # as the longest padded sequence, and every row-layout field is 0 past its response; and the
+    # packed row is the padded rows' tokens inside each sequence, in order (`inside` picks them).
+    whole_rows = cp_size == 1
+    inside = np.arange(row_len)[None, :] < local_lengths[:, None]
 
     def to_rows(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None:
@@ -298,14 +301,13 @@ def build_microbatch(
     def to_model(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None or not packed:
             return to_rows(t)
-        return torch.from_numpy(t[rows, positions][None])
+        return torch.from_numpy((t[inside] if whole_rows else t[rows, positions])[None])
 
     row_index = cu_seqlens = None
     if packed:
         total = int(starts[-1])
-        column = np.arange(row_len)
         row_index = torch.from_numpy(
-            np.where(column[None, :] < local_lengths[:, None], starts[:-1, None] + column, total)
+            np.where(inside, starts[:-1, None] + np.arange(row_len), total)
         )
         cu_seqlens = torch.from_numpy(np.cumsum([0] + seq_lengths, dtype=np.int32))
     attention = _AttentionRows([], None, None)
