@@ -78,13 +78,16 @@ class MicroBatch:
         return flat[self.row_index]
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
-        """A copy with `fn` applied to every tensor."""
+        """A copy with `fn` applied to every tensor (this one when `fn` returns each as it is:
+        moving to the device it is on, pinning on a machine without a GPU)."""
         changes = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                changes[f.name] = fn(value)
-        return replace(self, **changes)
+                new = fn(value)
+                if new is not value:
+                    changes[f.name] = new
+        return replace(self, **changes) if changes else self
 
     def to(self, device: torch.device) -> MicroBatch:
         """On `device`; copies from pinned memory do not block the host."""

@@ -813,7 +813,7 @@ class TrainingEngine:
         """
         result: dict[str, float] = {}
         if self._is_last_stage():
-            keys = sorted(per_mb[0].keys())
+            key_ops = {k: metric_reduce_op(k) for k in sorted(per_mb[0].keys())}
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             alone = dist.get_world_size(group) == 1
             reduced, names = [], []
@@ -822,11 +822,11 @@ class TrainingEngine:
                 (("sum",), dist.ReduceOp.SUM),
                 (("max", "min"), dist.ReduceOp.MAX),
             ):
-                op_keys = [k for k in keys if metric_reduce_op(k) in ops]
+                op_keys = [k for k, op in key_ops.items() if op in ops]
                 if not op_keys:
                     continue
                 signs = torch.tensor(
-                    [-1.0 if metric_reduce_op(k) == "min" else 1.0 for k in op_keys],
+                    [-1.0 if key_ops[k] == "min" else 1.0 for k in op_keys],
                     dtype=torch.float64,
                     device=per_mb[0][op_keys[0]].device,
                 )
