@@ -665,6 +665,29 @@ def test_costly_metrics_only_on_their_steps(composer, tokenizer):
         ), left_out
 
 
+@pytest.mark.parametrize("replay", ["r2", "r3"])
+def test_costly_metrics_interval_under_routing_replay(composer, tokenizer, replay):
+    """Under R2 the old-policy forward records the routes at every step (the replay needs them),
+    under R3 they come from the rollout: the interval leaves out only the metrics, and every
+    step trains as with the metrics on."""
+    steps = ("trainer.steps=3", f"algorithm.routing_replay={replay}")
+    run = run_fake(
+        composer, tokenizer, *steps, "logging.costly_metrics_every=3",
+        "stability.sentinel.entropy_fraction=0",
+    )  # fmt: skip
+    every_step = run_fake(composer, tokenizer, *steps)
+    for (step, metrics), events, (_, full) in zip(
+        run.log.records, run.journal.steps(), every_step.log.records, strict=True
+    ):
+        trains = _step_calls(events, "train")
+        assert trains and all(c.replay_routes for c in trains)
+        assert all(s.routed_experts is not None for c in trains for s in c.samples)
+        check_losses(run, events)
+        assert metrics["actor/loss"] == full["actor/loss"]
+        costly = [k for k in metrics if k.startswith(("moe/", "mismatch/", "actor/entropy"))]
+        assert bool(costly) == (step == 3), (step, costly)
+
+
 def test_costly_metrics_a_stability_check_reads_stay_every_step(composer, tokenizer):
     """The sentinel's entropy signal and the mismatch budget read actor/entropy,
     mismatch/k3_kl and moe/route_flips at every step: those (the route metrics together) are
