@@ -306,6 +306,14 @@ class LoggingSection:
     # MoE expert-load and route-change metrics. They ride on the old-policy forward (or, with
     # algorithm.old_logprobs=rollout, on the rollout's routes under R3) and never add a forward.
     moe_route_metrics: bool = True
+    # The step interval of the metrics that cost work beyond the step's own (metrics_schedule.py):
+    # actor/entropy (engine.entropy_metric), the MoE route metrics (the routes recorded in the
+    # old-policy forward, moe/expert_load*, moe/route_flips*, the training forwards' route-change
+    # counts and their reduction over ranks) and the train/rollout mismatch/* metrics. They are
+    # computed on steps that are multiples of it and on the last; what a stability check reads
+    # (stability.sentinel.entropy_fraction, stability.mismatch_budget.k3_kl / route_flips) is
+    # computed every step. Every other metric is in every step's record.
+    costly_metrics_every: int = bounded(1, ge=1)
 
 
 @dataclass

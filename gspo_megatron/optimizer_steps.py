@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gspo_megatron.algorithms import explained_variance_from_sums
+from gspo_megatron.metrics_schedule import EVERY_STEP, CostlyMetrics
 from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.sample import TrainSample
 
@@ -26,10 +27,12 @@ def run_optimizer_steps(
     critic=None,
     value_clip: float | None = None,
     critic_only: bool = False,
+    metrics: CostlyMetrics = EVERY_STEP,
 ) -> dict[str, float]:
     """The optimizer steps' merged metrics (the critic's as critic/*). `policy` and `critic`:
     `train_step` / `train_value_step` and `current_lr` (TrainingEngine). `critic_only`: the
-    critic's warm-up, the policy does not train.
+    critic's warm-up, the policy does not train. `metrics`: the costly metrics this step
+    computes (metrics_schedule.py).
 
     A batch that dynamic sampling left smaller than planned is split into as many minibatches
     as it can feed (each needs one sequence per data-parallel rank); an empty one trains
@@ -54,7 +57,16 @@ def run_optimizer_steps(
         critic_metrics = {f"critic/{k}": v for k, v in merge_optimizer_steps(per_step).items()}
         if critic_only:
             return idle | critic_metrics
-    per_step = [policy.train_step(m, loss, replay_routes=replay_routes) for m in minibatches]
+    per_step = [
+        policy.train_step(
+            m,
+            loss,
+            replay_routes=replay_routes,
+            entropy_metric=metrics.entropy,
+            route_metrics=metrics.routes,
+        )
+        for m in minibatches
+    ]
     merged = merge_optimizer_steps(per_step)
     # Route changes after k updates since the old-policy forward (the paper's per-update view).
     for k, m in enumerate(per_step):

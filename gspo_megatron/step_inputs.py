@@ -52,6 +52,7 @@ from gspo_megatron.algorithms import (
     turn_token_advantages,
 )
 from gspo_megatron.algorithms.losses import get_policy_loss
+from gspo_megatron.metrics_schedule import EVERY_STEP, CostlyMetrics
 from gspo_megatron.rollout.base import RolloutSample
 from gspo_megatron.spec.sample import TrainSample
 
@@ -143,8 +144,9 @@ class StepInputs:
             return
         batch.advantages = ADVANTAGE_ESTIMATORS[s.advantage](batch.rewards, eps=s.advantage_eps)
 
-    def add_samples(self, batch: RolloutBatch) -> None:
-        """TrainSamples with old (and reference) log-probs, routes, masks and IS weights."""
+    def add_samples(self, batch: RolloutBatch, metrics: CostlyMetrics = EVERY_STEP) -> None:
+        """TrainSamples with old (and reference) log-probs, routes, masks and IS weights;
+        `metrics`: which costly metrics this step computes (metrics_schedule.py)."""
         s = self.settings
         flat = batch.flat()
         masks = self._masks(flat, batch)
@@ -169,10 +171,12 @@ class StepInputs:
         if not samples:
             batch.samples = []
             return
-        self._old_logprobs(samples, [x.routed_experts for x in flat if x.response_ids], batch)
+        self._old_logprobs(
+            samples, [x.routed_experts for x in flat if x.response_ids], batch, metrics.routes
+        )
         # The tokens with a rollout log-prob: all but an episode's observations.
         sampled = [x.loss_mask for x in flat if x.response_ids]
-        if s.old_logprobs == "recompute":
+        if s.old_logprobs == "recompute" and metrics.mismatch:
             batch.stats.update(_mismatch_stats(samples, sampled, s.mismatch_token_threshold))
         if s.mismatch != "none":
             self._mismatch_weights(samples, sampled, batch)
@@ -222,16 +226,20 @@ class StepInputs:
         samples: list[TrainSample],
         rollout_routes: list[np.ndarray | None],
         batch: RolloutBatch,
+        route_metrics: bool = True,
     ) -> None:
-        """π_old (recomputed, or the rollout's), the routes, the expert-load metrics, and the
-        route flips between the rollout engine's experts and the old-policy forward's."""
+        """π_old (recomputed, or the rollout's), the routes, and with `route_metrics` the
+        expert-load metrics and the route flips between the rollout engine's experts and the
+        old-policy forward's."""
         s = self.settings
         model = self.policy.model_config
         recompute = s.old_logprobs == "recompute"
         # Routes are recorded for R2, and for the route metrics when the forward runs anyway;
         # the metrics never add an old-policy forward of their own (with rollout log-probs they
         # come from the rollout's routes, under R3, or are not measured).
-        record = model.is_moe and (s.routing_replay == "r2" or (recompute and s.moe_route_metrics))
+        record = model.is_moe and (
+            s.routing_replay == "r2" or (recompute and s.moe_route_metrics and route_metrics)
+        )
         if recompute or record:
             result = self.policy.forward(
                 samples, record_routes=record, replay_routes=s.routing_replay == "r3"
@@ -239,13 +247,13 @@ class StepInputs:
             if recompute:
                 for x, lp in zip(samples, result.logprobs, strict=True):
                     x.old_logprobs = lp.tolist()
-            if result.routes is not None:
+            if result.routes is not None and route_metrics:
                 batch.stats.update(_expert_load(result.routes, model.num_experts))
                 batch.stats.update(_route_flips(rollout_routes, result.routes))
-                if s.routing_replay != "r3":
-                    for x, routes in zip(samples, result.routes, strict=True):
-                        x.routed_experts = routes
-        elif model.is_moe and s.moe_route_metrics and s.routing_replay == "r3":
+            if result.routes is not None and s.routing_replay != "r3":
+                for x, routes in zip(samples, result.routes, strict=True):
+                    x.routed_experts = routes
+        elif model.is_moe and s.moe_route_metrics and route_metrics and s.routing_replay == "r3":
             routes = [x.routed_experts for x in samples]
             batch.stats.update(_expert_load(routes, model.num_experts))
         if not recompute:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from gspo_megatron.collector import RolloutBatch, RolloutCollector, derive_seed
 from gspo_megatron.config import RunConfig
 from gspo_megatron.evaluation.benchmarks import Benchmark, run_benchmark
+from gspo_megatron.metrics_schedule import CostlyMetrics, CostlyMetricsSchedule
 from gspo_megatron.notes import note
 from gspo_megatron.optimizer_steps import run_optimizer_steps
 from gspo_megatron.ranks import Ranks
@@ -107,6 +108,7 @@ class Trainer:
         self.benchmarks = list(benchmarks)
         self.ranks, self.log, self.files, self.watchdog = ranks, log, checkpoints, watchdog
         self.health = RunHealth(cfg)
+        self.costly_metrics = CostlyMetricsSchedule(cfg)
         self.stability = StabilityMonitor(cfg)
         self.rollbacks = Rollbacks(cfg.stability.sentinel, checkpoints, log)
         self._rolled_back: RollbackRecord | None = None  # marked in the next step's record
@@ -137,12 +139,13 @@ class Trainer:
         while self.step < self.cfg.trainer.steps and not self.stop_requested:
             started, cpu_started = time.perf_counter(), time.process_time()
             timings: dict[str, float] = {}
+            costly = self.costly_metrics.at(self.step + 1)
             batch = self.generate(timings)
             with _timed(timings, "old_logprobs"):
                 if batch.groups:
-                    self.inputs.add_samples(batch)
+                    self.inputs.add_samples(batch, costly)
             with _timed(timings, "train"):
-                train_metrics = self.train_step(batch)
+                train_metrics = self.train_step(batch, costly)
             with _timed(timings, "sync_weights"):
                 self.sync_weights()
             self.step += 1
@@ -223,9 +226,10 @@ class Trainer:
             engines.append((self.reference, "all", False))
         return engines
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch, costly: CostlyMetrics) -> dict[str, float]:
         """algorithm.num_minibatches optimizer steps over the shuffled batch (optimizer_steps.py);
-        the critic's first, and only the critic's during critic.warmup_steps."""
+        the critic's first, and only the critic's during critic.warmup_steps; `costly`: the
+        metrics beyond the loss this step computes (logging.costly_metrics_every)."""
         alg, critic = self.cfg.algorithm, self.cfg.critic
         self.engine.set_lr_scale(self.rollbacks.lr_scale(self.step + 1))
         return run_optimizer_steps(
@@ -238,6 +242,7 @@ class Trainer:
             critic=self.critic,
             value_clip=critic.value_clip or None,
             critic_only=self.step < critic.warmup_steps,
+            metrics=costly,
         )
 
     def sync_weights(self) -> None:

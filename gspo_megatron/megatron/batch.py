@@ -78,13 +78,16 @@ class MicroBatch:
         return flat[self.row_index]
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
-        """A copy with `fn` applied to every tensor."""
+        """A copy with `fn` applied to every tensor (this one when `fn` returns each as it is:
+        moving to the device it is on, pinning on a machine without a GPU)."""
         changes = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
-                changes[f.name] = fn(value)
-        return replace(self, **changes)
+                new = fn(value)
+                if new is not value:
+                    changes[f.name] = new
+        return replace(self, **changes) if changes else self
 
     def to(self, device: torch.device) -> MicroBatch:
         """On `device`; copies from pinned memory do not block the host."""
@@ -283,8 +286,11 @@ def build_microbatch(
         positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
     else:
         positions = columns
-    # Without CP both layouts of padded rows are the rows themselves.
-    whole_rows = cp_size == 1 and not packed
+    # Without CP the row layout is the padded rows themselves, packed too: each row is as wide
+    # as the longest padded sequence, and every row-layout field is 0 past its response; and the
+    # packed row is the padded rows' tokens inside each sequence, in order (`inside` picks them).
+    whole_rows = cp_size == 1
+    inside = np.arange(row_len)[None, :] < local_lengths[:, None]
 
     def to_rows(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None:
@@ -298,14 +304,13 @@ def build_microbatch(
     def to_model(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None or not packed:
             return to_rows(t)
-        return torch.from_numpy(t[rows, positions][None])
+        return torch.from_numpy((t[inside] if whole_rows else t[rows, positions])[None])
 
     row_index = cu_seqlens = None
     if packed:
         total = int(starts[-1])
-        column = np.arange(row_len)
         row_index = torch.from_numpy(
-            np.where(column[None, :] < local_lengths[:, None], starts[:-1, None] + column, total)
+            np.where(inside, starts[:-1, None] + np.arange(row_len), total)
         )
         cu_seqlens = torch.from_numpy(np.cumsum([0] + seq_lengths, dtype=np.int32))
     attention = _AttentionRows([], None, None)

@@ -52,6 +52,7 @@ class RouteRecorder:
             self.routers[key] = sorted(found, key=lambda item: item[0])
         self.record = False
         self.replay = False
+        self.count = False
         # Per layer [changed, compared, replayed, routed] tokens since `begin`, kept on the
         # device (no host sync per router call).
         self._counts: torch.Tensor | None = None
@@ -59,13 +60,15 @@ class RouteRecorder:
 
     # -- per schedule ------------------------------------------------------------------------
 
-    def begin(self, *, record: bool, replay: bool) -> None:
-        """record: keep the routes each forward used; replay: route with mb.routed_experts.
-
-        Without replay, recorded routes are also compared with mb.routed_experts when given.
+    def begin(self, *, record: bool, replay: bool, count: bool = True) -> None:
+        """record: keep the routes each forward used; replay: route with mb.routed_experts;
+        count: count the tokens for `step_metrics`: routed, replayed, and changed against
+        mb.routed_experts (recorded routes without replay; the router's own top-k under
+        replay). Generation and training steps that log no route metrics leave it off.
         """
         self.record = record
         self.replay = replay
+        self.count = count
         self._counts = None
         if replay:
             action = RouterReplayAction.REPLAY_FORWARD
@@ -85,7 +88,7 @@ class RouteRecorder:
                 replay_obj.clear_indices()
                 replay_obj.used_topk_idx = None
                 replay_obj.router_replay_action = None
-        self.record = self.replay = False
+        self.record = self.replay = self.count = False
 
     def before_forward(self, mb: MicroBatch, vp_stage: int | None) -> None:
         # Routes exist for every consumed token but the last of each sequence.
@@ -107,7 +110,7 @@ class RouteRecorder:
             routes = replay_obj.used_topk_idx if self.replay else replay_obj.recorded_topk_idx
             layers.append(layer)
             recorded.append(self._from_router_view(routes, mb.tokens.shape))
-            if mb.routed_experts is not None and not self.replay:
+            if mb.routed_experts is not None and not self.replay and self.count:
                 old = mb.routed_experts[:, :, layer, :]
                 self._count(layer, changed=(recorded[-1], old), valid=mb.has_label, routed=False)
         if sink is not None and layers:
@@ -148,10 +151,15 @@ class RouteRecorder:
     # -- assembling recorded routes ---------------------------------------------------------
 
     def collect(self, samples: Sequence[TrainSample], outputs: list[dict]) -> list[np.ndarray]:
-        """Recorded routes per sample, int16 [len-1, num_layers, top_k], identical on all ranks."""
+        """Recorded routes per sample, int16 [len-1, num_layers, top_k], identical on all ranks.
+
+        Each micro-batch's forward of a model chunk recorded its layers for its samples; a
+        sample's routes are those chunks side by side in layer order (TP and CP ranks record the
+        same chunks: one of each is kept)."""
         cp = parallel_state.get_context_parallel_world_size()
         cp_group = parallel_state.get_context_parallel_group()
-        local: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
+        # sample -> {the chunk's layers: [len-1, len(layers), k]}
+        local: dict[int, dict[tuple[int, ...], np.ndarray]] = defaultdict(dict)
         for out in outputs:
             routes = out["routes"]  # this CP rank's row layout: [b, s_row, L_local, k] int16
             if cp > 1:
@@ -161,27 +169,29 @@ class RouteRecorder:
                 dist.all_gather(parts, wide, group=cp_group)
                 routes = assemble_cp_rows(parts, out["seq_lengths"].tolist()).to(torch.int16)
             routes = routes.cpu().numpy()  # one copy per micro-batch
+            layers = tuple(out["layers"])
             for row, index in enumerate(out["indices"]):
-                n = samples[index].length - 1
-                for j, layer in enumerate(out["layers"]):
-                    local[index][layer] = routes[row, :n, j]
-        by_sample: dict[int, dict[int, np.ndarray]] = local
+                local[index][layers] = routes[row, : samples[index].length - 1]
+        by_sample: dict[int, dict[tuple[int, ...], np.ndarray]] = local
         if dist.get_world_size() > 1:
             gathered: list = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, dict(local))
             by_sample = defaultdict(dict)
             for part in gathered:
-                for index, layers in part.items():
-                    by_sample[index].update(layers)
+                for index, chunks in part.items():
+                    by_sample[index].update(chunks)
+        every_layer = tuple(range(self.num_layers))
         result = []
         for i in range(len(samples)):
-            layers = by_sample[i]
-            if len(layers) != self.num_layers:
+            chunks = sorted(by_sample[i].items())
+            layers = tuple(layer for chunk_layers, _ in chunks for layer in chunk_layers)
+            if layers != every_layer:
                 raise RuntimeError(
-                    f"routes of sample {i} cover {len(layers)} of {self.num_layers} layers"
+                    f"routes of sample {i} cover {len(set(layers))} of {self.num_layers} layers"
                 )
-            # np.stack copies: no sample keeps its micro-batch's array alive
-            result.append(np.stack([layers[layer] for layer in range(self.num_layers)], axis=1))
+            # copies: no sample keeps its micro-batch's array alive
+            parts = [part for _, part in chunks]
+            result.append(parts[0].copy() if len(parts) == 1 else np.concatenate(parts, axis=1))
         return result
 
     # -- router token order ----------------------------------------------------------------------
@@ -235,8 +245,9 @@ class RouteRecorder:
         self._counts[layer] += row
 
     def _instrument(self, replay_obj, layer: int) -> None:
-        """Count every forward router call's tokens, and while replaying also compute the
-        router's own top-k (route changes) and keep the experts it returned (`used_topk_idx`)."""
+        """Keep the experts a replaying router returned (`used_topk_idx`), and while counting
+        (`begin`) count every forward router call's tokens, and while replaying also compute
+        the router's own top-k (route changes)."""
         recorder = self
         original = replay_obj.get_replay_topk
         replay_obj.used_topk_idx = None
@@ -248,11 +259,14 @@ class RouteRecorder:
             out = original(scores, topk, num_groups, group_topk, default_compute_topk)
             if action == RouterReplayAction.REPLAY_BACKWARD:
                 return out  # activation recomputation: already counted in the forward
+            if action == RouterReplayAction.REPLAY_FORWARD:
+                obj.used_topk_idx = out[1]
+            if not recorder.count:
+                return out
             valid = recorder._valid
             if valid is None:
                 valid = torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device)
             if action == RouterReplayAction.REPLAY_FORWARD:
-                obj.used_topk_idx = out[1]
                 _, natural = default_compute_topk(
                     scores, topk, num_groups=num_groups, group_topk=group_topk
                 )

@@ -231,7 +231,7 @@ class TrainingEngine:
         ]
         self.optimizer = get_megatron_optimizer(self._optimizer_config(), self.model)
         self.scheduler = self._scheduler()
-        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.finalize_model_grads_func = grad_finalizer(self.model, self.config)
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.routes = RouteRecorder(self.model, self.config) if model_config.is_moe else None
 
@@ -349,7 +349,7 @@ class TrainingEngine:
             m.eval()
         try:
             if routes is not None:
-                routes.begin(record=True, replay=False)
+                routes.begin(record=True, replay=False, count=False)
             with torch.no_grad(), InferenceMode.active():
                 yield
         finally:
@@ -467,12 +467,21 @@ class TrainingEngine:
 
     @_on_own_layout
     def train_step(
-        self, samples: Sequence[TrainSample], loss: LossSettings, *, replay_routes: bool = False
+        self,
+        samples: Sequence[TrainSample],
+        loss: LossSettings,
+        *,
+        replay_routes: bool = False,
+        entropy_metric: bool = True,
+        route_metrics: bool = True,
     ) -> dict[str, float]:
         """One optimizer step on `samples` (the whole minibatch, identical on every rank).
 
         With `replay_routes`, MoE layers route with the samples' `routed_experts`; without it,
         given routes are only compared with the current ones (moe/route_change_fraction).
+        entropy_metric / route_metrics: whether this step computes actor/entropy (with
+        engine.entropy_metric; a loss with an entropy term always does) and the moe/* route
+        metrics (logging.costly_metrics_every, gspo_megatron/metrics_schedule.py).
         """
         self._check_trainable(want_value_head=False)
         validate_samples(samples, self.settings.max_sequence_length)
@@ -482,11 +491,10 @@ class TrainingEngine:
             raise ValueError("algorithm.kl_coef > 0 needs reference log-probs on every sample")
         seq_share = 1.0 / self.layout.cp
         cp_sum = self._cp_sum if self.layout.cp > 1 else None
+        with_entropy = loss.entropy_coef > 0 or (self.settings.entropy_metric and entropy_metric)
 
         def loss_terms(mb: MicroBatch, logits: torch.Tensor):
-            lp, ent = self._token_logprobs(
-                mb, logits, self.settings.entropy_metric or loss.entropy_coef > 0
-            )
+            lp, ent = self._token_logprobs(mb, logits, with_entropy)
             extra = {}
             if loss.kl_coef:
                 extra = {
@@ -524,8 +532,11 @@ class TrainingEngine:
             samples,
             loss_terms,
             self._global_denominator(samples, loss),
-            record_routes=not replay_routes and any(s.routed_experts is not None for s in samples),
+            record_routes=route_metrics
+            and not replay_routes
+            and any(s.routed_experts is not None for s in samples),
             replay_routes=replay_routes and self.routes is not None,
+            route_metrics=route_metrics,
         )
 
     @_on_own_layout
@@ -570,10 +581,12 @@ class TrainingEngine:
         *,
         record_routes: bool = False,
         replay_routes: bool = False,
+        route_metrics: bool = True,
     ) -> dict[str, float]:
         """Run the schedule with `loss_terms(mb, output) -> (loss_sum, metric_sums)` in it,
         normalised by the global `denominator` (§4 of docs/ARCHITECTURE.md), and take one
-        optimizer step unless a loss or gradient is non-finite."""
+        optimizer step unless a loss or gradient is non-finite; with `route_metrics` the
+        routers' counts (moe/*) too."""
         dp_cp = self.layout.dp * self.layout.cp
         num_mb_holder: list[int] = []
 
@@ -596,6 +609,7 @@ class TrainingEngine:
             num_microbatches_out=num_mb_holder,
             record_routes=record_routes,
             replay_routes=replay_routes,
+            count_routes=route_metrics,
         )
         metrics = finalize_metrics(
             self._reduce_metric_sums(per_mb), omit_empty=(CLIP_BUCKET_PREFIX,)
@@ -621,7 +635,7 @@ class TrainingEngine:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.current_lr(),
         )
-        if self.routes is not None:
+        if self.routes is not None and route_metrics:
             metrics.update(self.routes.step_metrics())
         return metrics
 
@@ -727,13 +741,14 @@ class TrainingEngine:
         record_routes: bool = False,
         replay_routes: bool = False,
         route_sink: list | None = None,
+        count_routes: bool = True,
     ) -> list[dict]:
         microbatches = self._microbatches(samples, token_advantages)
         if num_microbatches_out is not None:
             num_microbatches_out.append(len(microbatches))
         routes = self.routes
         if routes is not None:
-            routes.begin(record=record_routes, replay=replay_routes)
+            routes.begin(record=record_routes, replay=replay_routes, count=count_routes)
         device = accelerator()
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
@@ -798,7 +813,7 @@ class TrainingEngine:
         """
         result: dict[str, float] = {}
         if self._is_last_stage():
-            keys = sorted(per_mb[0].keys())
+            key_ops = {k: metric_reduce_op(k) for k in sorted(per_mb[0].keys())}
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             alone = dist.get_world_size(group) == 1
             reduced, names = [], []
@@ -807,11 +822,11 @@ class TrainingEngine:
                 (("sum",), dist.ReduceOp.SUM),
                 (("max", "min"), dist.ReduceOp.MAX),
             ):
-                op_keys = [k for k in keys if metric_reduce_op(k) in ops]
+                op_keys = [k for k, op in key_ops.items() if op in ops]
                 if not op_keys:
                     continue
                 signs = torch.tensor(
-                    [-1.0 if metric_reduce_op(k) == "min" else 1.0 for k in op_keys],
+                    [-1.0 if key_ops[k] == "min" else 1.0 for k in op_keys],
                     dtype=torch.float64,
                     device=per_mb[0][op_keys[0]].device,
                 )
@@ -872,6 +887,48 @@ class TrainingEngine:
         parts = [torch.empty_like(values) for _ in range(self.layout.cp)]
         dist.all_gather(parts, values.contiguous(), group=self._cp_group)
         return assemble_cp_rows(parts, seq_lengths.tolist()).float()
+
+
+def grad_finalizer(model: list[DistributedDataParallel], config) -> Callable:
+    """What the schedule calls after the last backward: megatron's `finalize_model_grads`, or
+    in a one-process job, where every collective it makes is over a group of one, only its
+    bookkeeping (`_finalize_one_process`).
+
+    The shortcut is taken only when it is provably the same: one process; gradients not scaled
+    before their reduction (a factor of 1: 1/dp); no fp32 copies to move into and out of the
+    communication buffer; and none of finalize_model_grads' local updates in use (the expert
+    bias, the global aux loss's tracker, quantile balancing, GTP, flextron).
+    """
+    groups = [
+        g for chunk in model for g in chunk.bucket_groups + chunk.expert_parallel_bucket_groups
+    ]
+    buckets = [b for g in groups for b in g.buckets]
+    balancing = config.moe_router_load_balancing_type
+    alone = (
+        dist.get_world_size() == 1
+        and all(
+            b.gradient_scaling_factor == 1.0 and not b.params_with_extra_main_grads for b in buckets
+        )
+        and not any(g.ddp_config.overlap_grad_reduce for g in groups)
+        and not config.moe_router_enable_expert_bias
+        and "global_aux_loss" not in balancing
+        and balancing != "quantile_balancing"
+        and config.gtp_weight_remat_size <= 1
+        and config.expert_gtp_weight_remat_size <= 1
+        and not getattr(config, "flextron", False)
+        and not config.calculate_per_token_loss
+    )
+    return partial(_finalize_one_process, groups) if alone else finalize_model_grads
+
+
+def _finalize_one_process(groups: list, model, num_tokens=None, **_) -> None:
+    """finalize_model_grads of one process: its reductions leave every gradient as it is (a
+    reduce-scatter or all-reduce over one rank); what is left is to mark the parameters' gather
+    as not yet dispatched, as its grad-sync does."""
+    if num_tokens is not None:
+        raise RuntimeError("per-token loss scaling is not used by this engine")
+    for group in groups:
+        group.param_gather_dispatched = False
 
 
 def _packed_seq_params(mb: MicroBatch) -> PackedRowsParams | None:

@@ -18,6 +18,10 @@ Modes (`--mode`), each printing JSON lines {"check", "value", "ok"} on rank 0:
 - load-layout:   load that checkpoint on the current layout, compare log-probs.
 - nonfinite:     a non-finite gradient is skipped (weights untouched) or raises.
 - bad-input:     clear errors for too-long sequences, empty responses, other architectures.
+- grad-sync:     the gradient sync's one-process shortcut is taken in one process only, and
+                 trains exactly as megatron's finalize_model_grads (weights and gradient norms
+                 bitwise); over several ranks the engine keeps megatron's, and the shortcut
+                 there would train otherwise (the sync it leaves out is needed).
 - offload:       training with the state offloaded between steps is bitwise identical to
                  training without (weights, Adam state, metrics); offloading frees the chosen
                  storages; a checkpoint saved while offloaded resumes exactly.
@@ -43,7 +47,11 @@ from layout_text import parse_layout
 
 from gspo_megatron.algorithms import policy_loss
 from gspo_megatron.megatron import checkpointing, parallel
-from gspo_megatron.megatron.training_engine import NonFiniteError, TrainingEngine
+from gspo_megatron.megatron.training_engine import (
+    NonFiniteError,
+    TrainingEngine,
+    _finalize_one_process,
+)
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.lora import LoRASettings
 from gspo_megatron.spec.loss import LossSettings
@@ -269,6 +277,55 @@ def mode_resume(layout: ParallelLayout, workdir: Path) -> None:
         m2["grad_norm"] == r2["grad_norm"],
     )
     check("lr_schedule_moves", m2["lr"], m2["lr"] != m1["lr"])
+
+
+def mode_grad_sync(layout: ParallelLayout) -> None:
+    from functools import partial
+
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    batch = samples()
+    chosen = engine_for(layout, optimizer=ADAM, aux=0.01)
+    alone = dist.get_world_size() == 1
+    shortcut = chosen.config.finalize_model_grads_func is not finalize_model_grads
+    check("grad_sync_shortcut_only_in_one_process", float(shortcut), shortcut == alone)
+
+    def same_start(finalize) -> TrainingEngine:
+        engine = engine_for(layout, optimizer=ADAM, aux=0.01)
+        for mine, theirs in zip(engine.unwrapped_chunks, chosen.unwrapped_chunks, strict=True):
+            mine.load_state_dict(theirs.state_dict())
+        engine.optimizer.reload_model_params()
+        engine.config.finalize_model_grads_func = finalize
+        return engine
+
+    megatron = same_start(finalize_model_grads)
+    groups = [g for m in megatron.model for g in m.bucket_groups + m.expert_parallel_bucket_groups]
+    forced = same_start(partial(_finalize_one_process, groups))
+    train = with_old(batch, chosen.forward(batch).logprobs)
+    norms = {name: [] for name in ("chosen", "megatron", "forced")}
+    for _ in range(2):
+        for name, engine in (("chosen", chosen), ("megatron", megatron), ("forced", forced)):
+            norms[name].append(engine.train_step(train, LossSettings("gspo"))["grad_norm"])
+
+    def weight_diff(engine) -> float:
+        diff = max(
+            float((a - b).abs().max())
+            for a, b in zip(
+                chosen.unwrapped_chunks[0].parameters(),
+                engine.unwrapped_chunks[0].parameters(),
+                strict=True,
+            )
+        )
+        diff_t = torch.tensor([diff])
+        dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
+        return float(diff_t)
+
+    diff = weight_diff(megatron)
+    check("grad_sync_weights_as_megatron", diff, diff == 0.0)
+    check("grad_sync_grad_norms_as_megatron", 0.0, norms["chosen"] == norms["megatron"])
+    if not alone:
+        diff = weight_diff(forced)
+        check("grad_sync_shortcut_would_differ_over_ranks", diff, diff > 0.0)
 
 
 def mode_lora_resume(layout: ParallelLayout, workdir: Path) -> None:
@@ -574,6 +631,7 @@ def main() -> int:
         "nonfinite": lambda: mode_nonfinite(layout),
         "bad-input": lambda: mode_bad_input(layout, args.workdir),
         "offload": lambda: mode_offload(layout, args.workdir),
+        "grad-sync": lambda: mode_grad_sync(layout),
     }
     for mode in args.mode.split(","):
         modes[mode]()

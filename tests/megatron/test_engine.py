@@ -31,6 +31,12 @@ OFFLOAD_CHECKS = {
     "offload_saved_checkpoint_resumes_exactly",
     "offload_train_while_offloaded_refused",
 }
+# The one-process gradient sync (training_engine.grad_finalizer)
+GRAD_SYNC_CHECKS = {
+    "grad_sync_shortcut_only_in_one_process",
+    "grad_sync_weights_as_megatron",
+    "grad_sync_grad_norms_as_megatron",
+}
 
 
 def assert_all_ok(results: list[dict], expected: set[str]) -> None:
@@ -44,12 +50,14 @@ def test_single_process_checks(tmp_path):
     """One launch: in-schedule loss gradient == autograd through policy_loss (gspo, grpo,
     gspo_token, ppo with an entropy bonus); routing replay; Adam resume, LoRA's too; LoRA over
     base weights from HF and from a checkpoint; non-finite handling; bad input; offloading the
-    state between steps (bitwise identical, storages freed, saved while offloaded)."""
+    state between steps (bitwise identical, storages freed, saved while offloaded); the gradient
+    sync's one-process shortcut trains as megatron's finalize_model_grads."""
     results = run_worker(
         WORKER,
         [
             "--mode",
-            "gradient,replay,resume,lora-resume,lora-init-from,nonfinite,bad-input,offload",
+            "gradient,replay,resume,lora-resume,lora-init-from,nonfinite,bad-input,offload,"
+            "grad-sync",
             "--workdir",
             str(tmp_path),
         ],
@@ -76,6 +84,7 @@ def test_single_process_checks(tmp_path):
             "lora_init_from_checkpoint_bitwise_base",
             "error_lora_checkpoint_as_initial_weights",
             *OFFLOAD_CHECKS,
+            *GRAD_SYNC_CHECKS,
         },
     )
 
@@ -83,9 +92,12 @@ def test_single_process_checks(tmp_path):
 @pytest.mark.distributed
 def test_resume_lora_resume_and_offload_with_distributed_optimizer_over_two_ranks(tmp_path):
     """Exact resume (LoRA too: adapters and their Adam state through the checkpoint, sharded
-    over two data-parallel ranks) and offloading, with the distributed optimizer."""
+    over two data-parallel ranks) and offloading, with the distributed optimizer; the gradient
+    sync keeps megatron's collectives over two ranks (the one-process shortcut would differ)."""
     results = run_worker(
-        WORKER, ["--mode", "resume,lora-resume,offload", "--workdir", str(tmp_path)], nproc=2
+        WORKER,
+        ["--mode", "resume,lora-resume,offload,grad-sync", "--workdir", str(tmp_path)],
+        nproc=2,
     )
     assert_all_ok(
         results,
@@ -94,6 +106,8 @@ def test_resume_lora_resume_and_offload_with_distributed_optimizer_over_two_rank
             "resume_grad_norm_identical",
             *LORA_RESUME_CHECKS,
             *OFFLOAD_CHECKS,
+            *GRAD_SYNC_CHECKS,
+            "grad_sync_shortcut_would_differ_over_ranks",
         },
     )
 

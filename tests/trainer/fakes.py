@@ -384,9 +384,16 @@ class FakePolicy:
         return result
 
     def train_step(
-        self, samples: Sequence[TrainSample], loss: LossSettings, *, replay_routes: bool = False
+        self,
+        samples: Sequence[TrainSample],
+        loss: LossSettings,
+        *,
+        replay_routes: bool = False,
+        entropy_metric: bool = True,
+        route_metrics: bool = True,
     ) -> dict[str, float]:
-        """One SGD step on the real policy loss of `samples` (the whole minibatch)."""
+        """One SGD step on the real policy loss of `samples` (the whole minibatch); the entropy
+        and route metrics only when asked, as the engine."""
         if not self.trainable:
             raise RuntimeError("a frozen engine (the KL reference) cannot train")
         self._check_resident()
@@ -437,14 +444,20 @@ class FakePolicy:
         out = dict(metrics)
         out.update(
             loss=float(value.detach()),
-            entropy=entropy,
             lr=self.current_lr(),
             grad_norm=grad_norm,
             skipped=0.0,
             num_microbatches=1.0,
         )
+        if entropy_metric or loss.entropy_coef:
+            out["entropy"] = entropy
         given = [s.routed_experts for s in samples]
-        if self.experts is not None and not replay_routes and all(r is not None for r in given):
+        if (
+            self.experts is not None
+            and route_metrics
+            and not replay_routes
+            and all(r is not None for r in given)
+        ):
             # The route metric the engine reports when it is given routes it does not replay.
             own = self.own_routes.numpy()
             now = np.concatenate([own[s.prompt_ids + s.response_ids[:-1]] for s in samples])

@@ -54,12 +54,14 @@ def resolved(*overrides: str):
          "rollout.max_new_tokens=3 leaves no room for the end token after data.task=expr's "
          "longest answer (3 characters): the code reward gives full credit only to the answer "
          "followed by the end token"),
+        (["logging.costly_metrics_every=0"], "logging.costly_metrics_every must be >= 1, got 0"),
     ],
     ids=["coef-without-type", "type-without-coef", "dense", "sinkhorn", "moved-key",
          "mismatch-with-rollout-logprobs", "token-weights-for-gspo", "sequence-over-budget",
          "env-unknown", "no-room-for-the-end-token",
          "no-room-for-the-end-token-in-evaluation", "code-task-without-code-reward",
-         "code-reward-without-code-task", "no-room-for-the-end-token-in-code"],
+         "code-reward-without-code-task", "no-room-for-the-end-token-in-code",
+         "costly-metrics-every-0"],
 )  # fmt: skip
 def test_refused(overrides, message):
     with pytest.raises(ConfigError) as err:

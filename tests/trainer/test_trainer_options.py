@@ -631,6 +631,76 @@ def test_routes_are_not_recorded_without_route_metrics(composer, tokenizer):
         )
 
 
+COSTLY = ("actor/entropy", "moe/max_expert_load_over_mean", "moe/route_flips",
+          "moe/route_change_fraction", "mismatch/k3_kl")  # fmt: skip
+
+
+def test_costly_metrics_only_on_their_steps(composer, tokenizer):
+    """logging.costly_metrics_every=2 over 5 steps: the entropy, the route metrics (no routes
+    recorded in the old-policy forward, none compared in training) and the mismatch metrics on
+    steps 2, 4 and the last only; the losses and every other metric as on every step."""
+    run = run_fake(
+        composer, tokenizer, "trainer.steps=5", "logging.costly_metrics_every=2",
+        "stability.sentinel.entropy_fraction=0",
+    )  # fmt: skip
+    every_step = run_fake(composer, tokenizer, "trainer.steps=5")
+    assert [s for s, _ in run.log.records] == [1, 2, 3, 4, 5]
+    for (step, metrics), events, (_, full) in zip(
+        run.log.records, run.journal.steps(), every_step.log.records, strict=True
+    ):
+        due = step in (2, 4, 5)
+        (forward,) = _step_calls(events, "forward", "policy")
+        assert forward.record_routes == due
+        trains = _step_calls(events, "train")
+        assert all((s.routed_experts is not None) == due for c in trains for s in c.samples)
+        check_losses(run, events)
+        for key in COSTLY:
+            assert (key in metrics) == due, (step, key)
+        assert metrics["actor/loss"] == full["actor/loss"]
+        # what is left out: the costly metrics, per layer too, and the sentinel's entropy EMA
+        left_out = {k for k in full if not k.startswith(("time/", "perf/"))} - set(metrics)
+        assert all(
+            k.startswith(("actor/entropy", "moe/", "mismatch/", "stability/entropy"))
+            for k in left_out
+        ), left_out
+
+
+@pytest.mark.parametrize("replay", ["r2", "r3"])
+def test_costly_metrics_interval_under_routing_replay(composer, tokenizer, replay):
+    """Under R2 the old-policy forward records the routes at every step (the replay needs them),
+    under R3 they come from the rollout: the interval leaves out only the metrics, and every
+    step trains as with the metrics on."""
+    steps = ("trainer.steps=3", f"algorithm.routing_replay={replay}")
+    run = run_fake(
+        composer, tokenizer, *steps, "logging.costly_metrics_every=3",
+        "stability.sentinel.entropy_fraction=0",
+    )  # fmt: skip
+    every_step = run_fake(composer, tokenizer, *steps)
+    for (step, metrics), events, (_, full) in zip(
+        run.log.records, run.journal.steps(), every_step.log.records, strict=True
+    ):
+        trains = _step_calls(events, "train")
+        assert trains and all(c.replay_routes for c in trains)
+        assert all(s.routed_experts is not None for c in trains for s in c.samples)
+        check_losses(run, events)
+        assert metrics["actor/loss"] == full["actor/loss"]
+        costly = [k for k in metrics if k.startswith(("moe/", "mismatch/", "actor/entropy"))]
+        assert bool(costly) == (step == 3), (step, costly)
+
+
+def test_costly_metrics_a_stability_check_reads_stay_every_step(composer, tokenizer):
+    """The sentinel's entropy signal and the mismatch budget read actor/entropy,
+    mismatch/k3_kl and moe/route_flips at every step: those (the route metrics together) are
+    computed every step."""
+    run = run_fake(
+        composer, tokenizer, "trainer.steps=3", "logging.costly_metrics_every=4",
+        "stability.mismatch_budget.k3_kl=1.0", "stability.mismatch_budget.route_flips=0.9",
+    )  # fmt: skip
+    for step, metrics in run.log.records:
+        for key in ("actor/entropy", "mismatch/k3_kl", "moe/route_flips"):
+            assert key in metrics, (step, key)
+
+
 @pytest.mark.parametrize("replay", ["off", "r3"])
 def test_metrics_add_no_forward(composer, tokenizer, replay):
     """The route, expert-load and mismatch metrics ride on forwards the step runs anyway: with
