@@ -27,6 +27,8 @@ _BASELINES = {
     "grad_norm": "actor/grad_norm_max",
 }
 _FINITE_CHECKED = ("reward/mean", "actor/loss", "actor/entropy", "actor/grad_norm_max")
+# a step's advantages, whichever the estimator reports (group baselines / GAE)
+_ADVANTAGE_SIZES = ("advantage/abs_mean", "advantage/token_abs_mean")
 
 
 @dataclass
@@ -149,6 +151,11 @@ class CollapseSentinel:
             value = metrics.get(key)
             if value is None or not math.isfinite(value):
                 continue
+            if name == "grad_norm" and _no_advantage(metrics):
+                # Every group solved (or failed) alike: the gradient is zero by construction,
+                # not a small one. Counting those steps drags the baseline towards zero as a
+                # run converges, and the next step with one failed sample looks like a spike.
+                continue
             old = self.baselines.get(name)
             self.baselines[name] = value if old is None else old + weight * (value - old)
 
@@ -165,6 +172,11 @@ class CollapseSentinel:
         self.baselines = {k: float(v) for k, v in state.get("baselines", {}).items()}
         self.streaks = {k: list(v) for k, v in state.get("streaks", {}).items()}
         self.holding = bool(state.get("holding", False))
+
+
+def _no_advantage(metrics: dict[str, float]) -> bool:
+    """Whether the step's advantages were all zero (no policy gradient to measure)."""
+    return any(metrics.get(key) == 0.0 for key in _ADVANTAGE_SIZES)
 
 
 def _nonfinite(metrics: dict[str, float]) -> str | None:

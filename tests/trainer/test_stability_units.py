@@ -99,6 +99,31 @@ def test_signals_off_and_a_zero_gradient_baseline_stay_quiet():
     assert s.observe(8, healthy(grad=5.0))[0]["stability/signals_active"] == 0
 
 
+@pytest.mark.parametrize("key", ["advantage/abs_mean", "advantage/token_abs_mean"])
+def test_steps_without_advantages_leave_the_gradient_baseline_alone(key):
+    """A converged run: most steps every group is solved alike (advantages 0, gradient 0), now
+    and then one sample fails and the gradient is its usual size (a run of 2026-12-03 stopped
+    after three rollbacks on this pattern, docs/STABILITY.md)."""
+    solved = healthy(grad=0.0) | {key: 0.0}
+    one_failed = healthy(grad=3.0) | {key: 0.06}
+    s = sentinel()
+    for step in range(1, 6):
+        s.observe(step, one_failed)
+    for step in range(6, 40):
+        s.observe(step, solved)
+    assert s.baselines["grad_norm"] == pytest.approx(3.0)
+    for step in range(40, 44):  # three in a row: the patience
+        assert s.observe(step, one_failed)[0]["stability/signals_active"] == 0
+    spike = healthy(grad=50.0) | {key: 0.06}
+    fired = [s.observe(step, spike)[1] for step in range(44, 47)]
+    assert fired[-1] is not None and "grad_norm" in fired[-1].signals
+    # without the advantages reported, every step moves the baseline as before
+    s = sentinel()
+    for step in range(1, 40):
+        s.observe(step, healthy(grad=0.0 if step > 5 else 3.0))
+    assert s.baselines["grad_norm"] < 0.01
+
+
 @pytest.mark.parametrize(
     "step, health, since, ok",
     [
