@@ -229,8 +229,10 @@ class RolloutSection:
     tokens: which weights sample which batch no longer depends on timing, so a run, killed and
     resumed or not, is deterministic; one_step_off always does (docs/ROLLOUT.md, "Checkpoints").
     prefix_cache_tokens: (embedded engine) keys and values of finished sequences kept between
-    generate calls, at most this many tokens (0: none kept): a multi-turn episode's next turn
-    prefills only the tokens its context adds (docs/ROLLOUT.md, "Context kept between turns").
+    generate calls, at most this many tokens (0: none kept), when an environment runs episodes
+    (env.name; single-turn prompts never start with a finished sequence): a multi-turn episode's
+    next turn prefills only the tokens its context adds (docs/ROLLOUT.md, "Context kept between
+    turns").
     Dropped by every weight update; in rollout.mode=sync held while a step's rollouts run and
     dropped before training, in the generator process of one_step_off / async held until its
     next weight update. Each token costs layers x 2 x kv heads x head dim x the dtype's bytes.
@@ -963,7 +965,13 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
             "(algorithm.kl_coef / kl_reward_coef): the KL reference is the base model with the "
             "adapters off, which is not the initial policy once whole weights train too",
         ),
-        (lora.dropout > 0, f"lora.dropout={lora.dropout:g}: adapter dropout is not built yet"),
+        (
+            lora.dropout > 0,
+            f"lora.dropout={lora.dropout:g}: dropout would make the trained forward a random "
+            "perturbation of the policy that sampled and computed the old log-probs, so the "
+            "importance ratio is not 1 even before the first update (the sequence ratio's clip "
+            "range is ~1e-3 wide); set lora.dropout=0",
+        ),
         (
             cfg.engine.use_te is True,
             "engine.use_te=true: LoRA adapts megatron's local layers, not transformer-engine's",

@@ -49,7 +49,8 @@ Assumptions of the estimate (parameters are exact; the rest is an estimate):
   per optimizer step, at engine.max_sequence_length per response).
 - Rollout, colocated: the embedded engine adds a KV cache of rollout.max_batch_tokens slots for
   this stage's layers plus one layer's prefill activations while generating, and the K/V of up
-  to rollout.prefix_cache_tokens tokens kept between calls (in rollout.mode=sync both freed
+  to rollout.prefix_cache_tokens tokens kept between calls (counted with or without an
+  environment, which alone keeps them; in rollout.mode=sync both freed
   before training; the generator process of one_step_off / async keeps its context until its
   next weight update). Colocated SGLang servers hold mem_fraction_static of the GPU while generating;
   with offload_after_generate they keep ~2 GiB (CUDA context, graphs' pools) while training,

@@ -92,3 +92,19 @@ def test_no_module_outside_the_registry_compares_a_backend_name():
             if named or set(literals) & set(ROLLOUT_BACKENDS):
                 found.append(f"{path.relative_to(package)}:{node.lineno}")
     assert not found, found
+
+
+def test_the_embedded_engine_keeps_context_only_for_episodes(composer):
+    """Kept K/V serve a multi-turn episode's next turn; a single-turn run keeps none (its
+    prompts never start with a finished sequence), the budget set or not."""
+    from gspo_megatron.rollout.embedded.backend import kept_context_tokens
+
+    single, _, _ = composer.resolve("rollout.prefix_cache_tokens=512")
+    episodes, _, _ = composer.resolve(
+        "rollout.prefix_cache_tokens=512",
+        "env.name=envs.scripted_envs:TwoObservations",
+        "env.max_turns=4",
+        "env.max_tokens=24",
+    )
+    assert kept_context_tokens(single) == 0
+    assert kept_context_tokens(episodes) == 512

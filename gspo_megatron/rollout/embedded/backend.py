@@ -31,7 +31,7 @@ def build(cfg: RunConfig, policy: TrainingEngine, run: RunContext):
         max_batch_tokens=cfg.rollout.max_batch_tokens,
         record_routes=record_routes,
         seed=cfg.seed,
-        prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
+        prefix_cache_tokens=kept_context_tokens(cfg),
     )
     return engine, None
 
@@ -90,7 +90,7 @@ def generator_settings(cfg: RunConfig, policy: TrainingEngine, record_routes: bo
         seed=cfg.seed,
         device=str(accelerator()) if torch.cuda.is_available() else "cpu",
         lora_scaling=policy.lora.scaling if policy.lora is not None else None,
-        prefix_cache_tokens=cfg.rollout.prefix_cache_tokens,
+        prefix_cache_tokens=kept_context_tokens(cfg),
     )
     return settings, model.rotary_pos_emb.get_emb(max_length)[:, 0, 0, :].cpu()
 
@@ -103,11 +103,18 @@ def records_routes(cfg: RunConfig) -> bool:
     return cfg.logging.moe_route_metrics and cfg.model.model_config().is_moe
 
 
+def kept_context_tokens(cfg: RunConfig) -> int:
+    """rollout.prefix_cache_tokens when an environment runs episodes (a turn's prompt starts
+    with the sequence its last turn finished), else 0: a single-turn call's prompt never starts
+    with a finished sequence, so keeping their K/V would cost time and never be reused."""
+    return cfg.rollout.prefix_cache_tokens if cfg.env.enabled else 0
+
+
 def memory_share(rollout: RolloutSection) -> RolloutShare:
     """A KV cache of rollout.max_batch_tokens slots while generating, and the context kept
-    between calls (rollout.prefix_cache_tokens): in rollout.mode=sync both freed before
-    training; the generator process (one_step_off / async) keeps its context until the next
-    weight update."""
+    between calls (rollout.prefix_cache_tokens, kept only with an environment, counted
+    whether one runs or not): in rollout.mode=sync both freed before training; the generator
+    process (one_step_off / async) keeps its context until the next weight update."""
     return RolloutShare(
         kv_cache_tokens=rollout.max_batch_tokens, kept_kv_tokens=rollout.prefix_cache_tokens
     )
