@@ -92,7 +92,8 @@ ATTENTION = "lora.targets=[attention.linear_qkv,attention.linear_proj]"
          "lora.targets entry 'q_proj' is not a layer LoRA adapts"),
         (["lora.rank=8", "lora.targets=[]"], "lora.targets is empty"),
         (["lora.rank=8", "lora.dropout=0.1"],
-         "lora.rank=8 with lora.dropout=0.1: adapter dropout is not built yet"),
+         "lora.rank=8 with lora.dropout=0.1: dropout would make the trained forward a random "
+         "perturbation"),
         (["lora.rank=8", "engine.use_te=true"], "lora.rank=8 with engine.use_te=true"),
         (["lora.rank=8", "rollout=sglang", "rollout.sglang.lora_sync=adapter", ATTENTION],
          "rollout.sglang.lora_sync=adapter with rollout.sglang.weight_sync=tensor: the "
