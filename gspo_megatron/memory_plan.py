@@ -50,10 +50,10 @@ Assumptions of the estimate (parameters are exact; the rest is an estimate):
 - Rollout, colocated: the embedded engine adds a KV cache of rollout.max_batch_tokens slots for
   this stage's layers plus one layer's prefill activations while generating, and the K/V of up
   to rollout.prefix_cache_tokens tokens kept between calls (counted with or without an
-  environment, which alone keeps them; in rollout.mode=sync both freed
-  before training; the generator process of one_step_off / async keeps its context until its
-  next weight update). Colocated SGLang servers hold mem_fraction_static of the GPU while generating;
-  with offload_after_generate they keep ~2 GiB (CUDA context, graphs' pools) while training,
+  environment, which alone keeps them; in rollout.mode=sync both freed before training; the
+  generator process of one_step_off / async keeps its context until its next weight update).
+  Colocated SGLang servers hold mem_fraction_static of the GPU while generating; with
+  offload_after_generate they keep ~2 GiB (CUDA context, graphs' pools) while training,
   without it their whole fraction. Servers on other GPUs (disaggregated) cost the trainer nothing.
 - While generating, trainer.offload_during_rollout frees: optimizer = the optimizer state; all =
   also the gradient buffers, the KL reference's weights, and the policy's weights unless the
