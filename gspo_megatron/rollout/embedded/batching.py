@@ -272,25 +272,27 @@ class GenerationBatch:
 
     def _emit(self, done: torch.Tensor, end: int) -> None:
         """Rows `done` are complete up to slot `end` (exclusive): make their samples."""
-        # one device-to-host copy per array
+        # one device-to-host copy per array, and one conversion to Python lists per array
         tokens = self.tokens[done, :end].cpu()
-        logprobs = self.logprobs[done, :end].cpu()
-        routes = self.routes[done, : end - 1].cpu() if self.routes is not None else None
-        versions = self.versions[done, :end].cpu() if self.versions is not None else None
+        logprobs = self.logprobs[done, :end].tolist()
+        routes = self.routes[done, : end - 1].cpu().numpy() if self.routes is not None else None
+        versions = self.versions[done, :end].tolist() if self.versions is not None else None
         index = torch.stack(
             [self.rows[done], self.start[done], self.first[done], self.stopped[done].long()], 1
         ).tolist()
         self._keep_contexts(done.tolist(), [row[1] for row in index], tokens, end)
+        token_lists = tokens.tolist()
+        version = self.engine.weight_version
         for i, (seq, start, first, stopped) in enumerate(index):
             s = self.seqs[seq]
             self.results[s.key] = RolloutSample(
                 prompt_ids=list(s.prompt),
-                response_ids=tokens[i, first:].tolist(),
-                logprobs=logprobs[i, first:].tolist(),
+                response_ids=token_lists[i][first:],
+                logprobs=logprobs[i][first:],
                 finish_reason="stop" if stopped else "length",
-                weight_version=self.engine.weight_version,
-                routed_experts=None if routes is None else routes[i, start:].numpy().copy(),
-                token_versions=None if versions is None else versions[i, first:].tolist(),
+                weight_version=version,
+                routed_experts=None if routes is None else routes[i, start:].copy(),
+                token_versions=None if versions is None else versions[i][first:],
             )
 
     def partial(self) -> dict[int, RolloutSample]:
@@ -374,41 +376,26 @@ def plan_batches(
     seqs: list[GenerationSequence], max_batch_tokens: int
 ) -> list[list[GenerationSequence]]:
     """Sort by tokens fed (the prompt, and a continued row's prefix); cut into batches of at most
-    max_batch_tokens cache slots."""
+    max_batch_tokens cache slots.
+
+    A batch's slots per row: the longest prompt + budget; with continued rows, whose fed tokens
+    are aligned, the most fed plus the most left to sample (a bound either way)."""
     batches: list[list[GenerationSequence]] = []
     current: list[GenerationSequence] = []
-    span = _Span()
+    plain = fed = left = 0  # of `current`: the longest prompt + budget, the most fed, left
+    continued = False
     for s in sorted(seqs, key=lambda s: s.fed):
-        grown = span.add(s)
-        if current and (len(current) + 1) * grown.slots > max_batch_tokens:
+        whole = len(s.prompt) + s.budget
+        s_fed = s.fed
+        grown = (max(plain, whole), max(fed, s_fed), max(left, whole - s_fed))
+        grown_continued = continued or s.prefix is not None
+        slots = grown[1] + grown[2] if grown_continued else grown[0]
+        if current and (len(current) + 1) * slots > max_batch_tokens:
             batches.append(current)
-            current, grown = [], _Span().add(s)
+            current = []
+            grown, grown_continued = (whole, s_fed, whole - s_fed), s.prefix is not None
         current.append(s)
-        span = grown
+        (plain, fed, left), continued = grown, grown_continued
     if current:
         batches.append(current)
     return batches
-
-
-@dataclass(frozen=True)
-class _Span:
-    """Cache slots per row of a batch: the longest prompt + budget; with continued rows, whose
-    fed tokens are aligned, the most fed plus the most left to sample (a bound either way)."""
-
-    plain: int = 0
-    fed: int = 0
-    left: int = 0
-    continued: bool = False
-
-    def add(self, s: GenerationSequence) -> _Span:
-        whole = len(s.prompt) + s.budget
-        return _Span(
-            max(self.plain, whole),
-            max(self.fed, s.fed),
-            max(self.left, whole - s.fed),
-            self.continued or s.prefix is not None,
-        )
-
-    @property
-    def slots(self) -> int:
-        return self.fed + self.left if self.continued else self.plain
