@@ -191,7 +191,6 @@ class GenerationBatch:
         the slot the prefill starts at: the first slot any row lacks. Rows ahead of it have the
         slots up to it loaded, and are fed the rest again (their own tokens)."""
         cache = self.engine.prefix_cache
-        starts = [int(self.start[row]) for row in picked]
         if cache is None:
             return 0
         counts = cache.counts
@@ -199,6 +198,7 @@ class GenerationBatch:
             counts.unsupported += len(picked)
             counts.prefill_tokens += sum(self.seqs[row].fed for row in picked)
             return 0
+        starts = self.start[picked].tolist()
         version = self.engine.weight_version
         kept: list[KeptContext | None] = []
         for row in picked:
