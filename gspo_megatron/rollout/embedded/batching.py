@@ -142,7 +142,6 @@ class GenerationBatch:
 
     def run(self) -> Iterator[None]:
         """Yields before every model forward (the lock-step driver counts forwards)."""
-        self.decoder.start(self.start, self.total)
         yield
         slot = int(self.resume.min())
         logits = self._prefill(slot)
@@ -167,7 +166,8 @@ class GenerationBatch:
 
     def _prefill(self, length: int) -> torch.Tensor:
         """Prefill slots [0, length) once per distinct prompt prefix (from where the context
-        kept from earlier calls ends), then copy cache rows."""
+        kept from earlier calls ends), then copy cache rows. The cache starts with the distinct
+        prefixes' rows only (the same as starting every row and keeping those)."""
         prefix = self.tokens[:, :length]
         keyed = torch.cat([self.start[:, None], prefix], dim=1)
         unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
@@ -175,8 +175,8 @@ class GenerationBatch:
         if unique.shape[0] < prefix.shape[0]:
             firsts = torch.zeros(unique.shape[0], dtype=torch.long, device=prefix.device)
             firsts[inverse] = torch.arange(prefix.shape[0], device=prefix.device)
-            self.decoder.select_rows(firsts)
         picked = firsts if firsts is not None else self.rows
+        self.decoder.start(self.start if firsts is None else self.start[firsts], self.total)
         offset = self._reuse_context(picked.tolist(), length)
         logits = self._forward(prefix[picked, offset:], offset)
         if firsts is None:
