@@ -278,18 +278,16 @@ def build_microbatch(
     # This CP rank's positions of every sequence, and where they land in its row.
     local_lengths = np.array(seq_lengths) // cp_size
     row_len = int(local_lengths.max())
-    # Every kept token as (sequence, position in it, column in its row), in packed order.
-    rows = np.repeat(np.arange(b), local_lengths)
     starts = np.concatenate([[0], np.cumsum(local_lengths)])
-    columns = np.arange(int(starts[-1])) - np.repeat(starts[:-1], local_lengths)
-    if cp_size > 1:
-        positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
-    else:
-        positions = columns
     # Without CP the row layout is the padded rows themselves, packed too: each row is as wide
     # as the longest padded sequence, and every row-layout field is 0 past its response; and the
     # packed row is the padded rows' tokens inside each sequence, in order (`inside` picks them).
     whole_rows = cp_size == 1
+    if not whole_rows:
+        # Every kept token as (sequence, position in it, column in its row), in packed order.
+        rows = np.repeat(np.arange(b), local_lengths)
+        columns = np.arange(int(starts[-1])) - np.repeat(starts[:-1], local_lengths)
+        positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
     inside = np.arange(row_len)[None, :] < local_lengths[:, None]
 
     def to_rows(t: np.ndarray | None) -> torch.Tensor | None:
