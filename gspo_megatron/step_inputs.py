@@ -463,10 +463,10 @@ def _route_flips(
     for a, b in zip(rollout_routes, trainer_routes, strict=True):
         n = min(len(a), len(b))
         given.append(np.asarray(a[:n]).reshape(n, layers, -1))
-        used.append(np.asarray(b[:n]).reshape(n, layers, -1).astype(given[-1].dtype))
+        used.append(np.asarray(b[:n]).reshape(n, layers, -1))
     # every consumed token of the batch at once: the experts as sets (sorted), compared
     given_sets = np.sort(np.concatenate(given), axis=-1)
-    used_sets = np.sort(np.concatenate(used), axis=-1)
+    used_sets = np.sort(np.concatenate(used).astype(given_sets.dtype), axis=-1)
     changed = (given_sets != used_sets).any(-1).sum(0).astype(np.float64)
     tokens = len(given_sets)
     sums = {"route_flips/sum": changed.sum(), "route_flips/count": float(tokens * layers)}

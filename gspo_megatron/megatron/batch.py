@@ -278,18 +278,16 @@ def build_microbatch(
     # This CP rank's positions of every sequence, and where they land in its row.
     local_lengths = np.array(seq_lengths) // cp_size
     row_len = int(local_lengths.max())
-    # Every kept token as (sequence, position in it, column in its row), in packed order.
-    rows = np.repeat(np.arange(b), local_lengths)
     starts = np.concatenate([[0], np.cumsum(local_lengths)])
-    columns = np.arange(int(starts[-1])) - np.repeat(starts[:-1], local_lengths)
-    if cp_size > 1:
-        positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
-    else:
-        positions = columns
     # Without CP the row layout is the padded rows themselves, packed too: each row is as wide
     # as the longest padded sequence, and every row-layout field is 0 past its response; and the
     # packed row is the padded rows' tokens inside each sequence, in order (`inside` picks them).
     whole_rows = cp_size == 1
+    if not whole_rows:
+        # Every kept token as (sequence, position in it, column in its row), in packed order.
+        rows = np.repeat(np.arange(b), local_lengths)
+        columns = np.arange(int(starts[-1])) - np.repeat(starts[:-1], local_lengths)
+        positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
     inside = np.arange(row_len)[None, :] < local_lengths[:, None]
 
     def to_rows(t: np.ndarray | None) -> torch.Tensor | None:
@@ -353,21 +351,31 @@ def attention_buckets(lengths: Sequence[int]) -> list[list[int]]:
     least Σ over groups of (rows x longest² + ATTENTION_CALL_PAIRS). Uniform lengths make one
     group (the padded layout's single call), long tails one per band of similar lengths."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    # Splitting equal lengths never pays, so groups are runs of distinct lengths.
-    distinct, counts = np.unique(np.array([lengths[i] for i in order]), return_counts=True)
-    distinct, counts = distinct[::-1].astype(np.float64), counts[::-1]
-    before = np.concatenate([[0], np.cumsum(counts)])
-    cost = np.zeros(len(distinct) + 1)
-    start = np.zeros(len(distinct) + 1, dtype=np.int64)
+    # Splitting equal lengths never pays, so groups are runs of distinct lengths (longest
+    # first). Every cost is a whole number well below 2**53: Python ints, exact.
+    distinct: list[int] = []
+    before = [0]  # sequences before each distinct length
+    for i in order:
+        if not distinct or lengths[i] != distinct[-1]:
+            distinct.append(lengths[i])
+            before.append(before[-1])
+        before[-1] += 1
+    cost = [0] * (len(distinct) + 1)
+    start = [0] * (len(distinct) + 1)
     for j in range(1, len(distinct) + 1):
-        # the last group holds distinct lengths i..j-1, padded to distinct[i]
-        options = cost[:j] + (before[j] - before[:j]) * distinct[:j] ** 2 + ATTENTION_CALL_PAIRS
-        start[j] = int(np.argmin(options))
-        cost[j] = options[start[j]]
+        # the last group holds distinct lengths i..j-1, padded to distinct[i]; the first
+        # cheapest i
+        best = min(
+            range(j),
+            key=lambda i: cost[i] + (before[j] - before[i]) * distinct[i] ** 2,
+        )
+        start[j] = best
+        cost[j] = cost[best] + (before[j] - before[best]) * distinct[best] ** 2
+        cost[j] += ATTENTION_CALL_PAIRS
     groups, j = [], len(distinct)
     while j > 0:
         groups.append(order[before[start[j]] : before[j]])
-        j = int(start[j])
+        j = start[j]
     return groups[::-1]
 
 

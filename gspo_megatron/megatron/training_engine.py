@@ -192,6 +192,8 @@ class TrainingEngine:
         # Of the last planned batch (see _plan): padding_fraction, dp_token_imbalance.
         self.batch_stats: dict[str, float] = {}
         self._offloader: StateOffloader | None = None
+        # every module of the chunks, listed on first use by _set_training ([]: not usable)
+        self._training_flags: list[torch.nn.Module] | None = None
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._cp_group = parallel_state.get_context_parallel_group()
         if model_config.is_moe:
@@ -406,6 +408,23 @@ class TrainingEngine:
         if self.offloaded:
             raise RuntimeError("the engine's state is offloaded: call reload() before using it")
 
+    def _set_training(self, mode: bool) -> None:
+        """`chunk.train(mode)` on every chunk. nn.Module.train walks the module tree and sets
+        each flag through Module.__setattr__ on every call; here the modules are listed once and
+        the flag set directly: the same result, since none of them overrides `train` (checked;
+        otherwise every chunk's own `train` runs)."""
+        if self._training_flags is None:
+            modules = [m for chunk in self.model for m in chunk.modules()]
+            plain = all(type(m).train is torch.nn.Module.train for m in modules)
+            self._training_flags = modules if plain else []
+        if not self._training_flags:
+            for chunk in self.model:
+                chunk.train(mode)
+            return
+        for module in self._training_flags:
+            # what Module.__setattr__ does for an attribute that is no parameter, buffer or module
+            object.__setattr__(module, "training", mode)
+
     @property
     def unwrapped_chunks(self) -> list[torch.nn.Module]:
         return [m.module for m in self.model] if self.trainable else list(self.model)
@@ -427,8 +446,7 @@ class TrainingEngine:
         """
         self._check_resident()
         validate_samples(samples, self.settings.max_sequence_length)
-        for m in self.model:
-            m.eval()
+        self._set_training(False)
         want_routes = record_routes and self.routes is not None
         replay = replay_routes and self.routes is not None
         outputs: list[dict] = []
@@ -455,8 +473,7 @@ class TrainingEngine:
                 route_sink=outputs,
             )
         if self.trainable:
-            for m in self.model:
-                m.train()
+            self._set_training(True)
         routes = self.routes.collect(samples, outputs) if want_routes else None
         if self.value_head:
             values = self._collect_per_token(samples, per_mb, "values")
@@ -863,11 +880,11 @@ class TrainingEngine:
         """Response-aligned per-token values for every sample, on every rank."""
         local: dict[int, np.ndarray] = {}
         for out in per_mb:
-            values = self._gather_cp(out[key], out["seq_lengths"]).cpu()
+            values = self._gather_cp(out[key], out["seq_lengths"]).cpu().numpy()
             for row, index in enumerate(out["indices"]):
                 s = samples[index]
                 start = len(s.prompt_ids) - 1
-                local[index] = values[row, start : start + len(s.response_ids)].numpy().copy()
+                local[index] = values[row, start : start + len(s.response_ids)].copy()
         merged: dict[int, np.ndarray] = {}
         if self.layout.dp == 1:
             merged = local

@@ -50,26 +50,28 @@ _PER_TOKEN = (
     "returns",
     "version_lags",
 )
+_SEQUENCES = (list, tuple)
 
 
 def validate_samples(samples: Sequence[TrainSample], max_length: int) -> None:
     for i, sample in enumerate(samples):
+        n = len(sample.response_ids)
         if not sample.prompt_ids:
             raise ValueError(f"sample {i}: empty prompt (prompt_ids must hold at least one token)")
-        if not sample.response_ids:
+        if not n:
             raise ValueError(
                 f"sample {i}: empty response (a rollout must produce at least one token; an "
                 "immediate stop still yields the stop token)"
             )
-        if sample.length > max_length:
+        length = len(sample.prompt_ids) + n
+        if length > max_length:
             raise ValueError(
-                f"sample {i}: prompt+response length {sample.length} exceeds the configured "
+                f"sample {i}: prompt+response length {length} exceeds the configured "
                 f"maximum sequence length {max_length} (engine.max_sequence_length)"
             )
-        n = len(sample.response_ids)
         for name in _PER_TOKEN:
             values = getattr(sample, name)
-            if isinstance(values, list | tuple) and len(values) != n:
+            if values is not None and isinstance(values, _SEQUENCES) and len(values) != n:
                 raise ValueError(
                     f"sample {i}: {name} has {len(values)} entries for {n} response tokens"
                 )

@@ -142,7 +142,6 @@ class GenerationBatch:
 
     def run(self) -> Iterator[None]:
         """Yields before every model forward (the lock-step driver counts forwards)."""
-        self.decoder.start(self.start, self.total)
         yield
         slot = int(self.resume.min())
         logits = self._prefill(slot)
@@ -167,7 +166,8 @@ class GenerationBatch:
 
     def _prefill(self, length: int) -> torch.Tensor:
         """Prefill slots [0, length) once per distinct prompt prefix (from where the context
-        kept from earlier calls ends), then copy cache rows."""
+        kept from earlier calls ends), then copy cache rows. The cache starts with the distinct
+        prefixes' rows only (the same as starting every row and keeping those)."""
         prefix = self.tokens[:, :length]
         keyed = torch.cat([self.start[:, None], prefix], dim=1)
         unique, inverse = torch.unique(keyed, dim=0, return_inverse=True)
@@ -175,8 +175,8 @@ class GenerationBatch:
         if unique.shape[0] < prefix.shape[0]:
             firsts = torch.zeros(unique.shape[0], dtype=torch.long, device=prefix.device)
             firsts[inverse] = torch.arange(prefix.shape[0], device=prefix.device)
-            self.decoder.select_rows(firsts)
         picked = firsts if firsts is not None else self.rows
+        self.decoder.start(self.start if firsts is None else self.start[firsts], self.total)
         offset = self._reuse_context(picked.tolist(), length)
         logits = self._forward(prefix[picked, offset:], offset)
         if firsts is None:
@@ -191,7 +191,6 @@ class GenerationBatch:
         the slot the prefill starts at: the first slot any row lacks. Rows ahead of it have the
         slots up to it loaded, and are fed the rest again (their own tokens)."""
         cache = self.engine.prefix_cache
-        starts = [int(self.start[row]) for row in picked]
         if cache is None:
             return 0
         counts = cache.counts
@@ -199,6 +198,7 @@ class GenerationBatch:
             counts.unsupported += len(picked)
             counts.prefill_tokens += sum(self.seqs[row].fed for row in picked)
             return 0
+        starts = self.start[picked].tolist()
         version = self.engine.weight_version
         kept: list[KeptContext | None] = []
         for row in picked:
@@ -272,25 +272,27 @@ class GenerationBatch:
 
     def _emit(self, done: torch.Tensor, end: int) -> None:
         """Rows `done` are complete up to slot `end` (exclusive): make their samples."""
-        # one device-to-host copy per array
+        # one device-to-host copy per array, and one conversion to Python lists per array
         tokens = self.tokens[done, :end].cpu()
-        logprobs = self.logprobs[done, :end].cpu()
-        routes = self.routes[done, : end - 1].cpu() if self.routes is not None else None
-        versions = self.versions[done, :end].cpu() if self.versions is not None else None
+        logprobs = self.logprobs[done, :end].tolist()
+        routes = self.routes[done, : end - 1].cpu().numpy() if self.routes is not None else None
+        versions = self.versions[done, :end].tolist() if self.versions is not None else None
         index = torch.stack(
             [self.rows[done], self.start[done], self.first[done], self.stopped[done].long()], 1
         ).tolist()
         self._keep_contexts(done.tolist(), [row[1] for row in index], tokens, end)
+        token_lists = tokens.tolist()
+        version = self.engine.weight_version
         for i, (seq, start, first, stopped) in enumerate(index):
             s = self.seqs[seq]
             self.results[s.key] = RolloutSample(
                 prompt_ids=list(s.prompt),
-                response_ids=tokens[i, first:].tolist(),
-                logprobs=logprobs[i, first:].tolist(),
+                response_ids=token_lists[i][first:],
+                logprobs=logprobs[i][first:],
                 finish_reason="stop" if stopped else "length",
-                weight_version=self.engine.weight_version,
-                routed_experts=None if routes is None else routes[i, start:].numpy().copy(),
-                token_versions=None if versions is None else versions[i, first:].tolist(),
+                weight_version=version,
+                routed_experts=None if routes is None else routes[i, start:].copy(),
+                token_versions=None if versions is None else versions[i][first:],
             )
 
     def partial(self) -> dict[int, RolloutSample]:
@@ -374,41 +376,26 @@ def plan_batches(
     seqs: list[GenerationSequence], max_batch_tokens: int
 ) -> list[list[GenerationSequence]]:
     """Sort by tokens fed (the prompt, and a continued row's prefix); cut into batches of at most
-    max_batch_tokens cache slots."""
+    max_batch_tokens cache slots.
+
+    A batch's slots per row: the longest prompt + budget; with continued rows, whose fed tokens
+    are aligned, the most fed plus the most left to sample (a bound either way)."""
     batches: list[list[GenerationSequence]] = []
     current: list[GenerationSequence] = []
-    span = _Span()
+    plain = fed = left = 0  # of `current`: the longest prompt + budget, the most fed, left
+    continued = False
     for s in sorted(seqs, key=lambda s: s.fed):
-        grown = span.add(s)
-        if current and (len(current) + 1) * grown.slots > max_batch_tokens:
+        whole = len(s.prompt) + s.budget
+        s_fed = s.fed
+        grown = (max(plain, whole), max(fed, s_fed), max(left, whole - s_fed))
+        grown_continued = continued or s.prefix is not None
+        slots = grown[1] + grown[2] if grown_continued else grown[0]
+        if current and (len(current) + 1) * slots > max_batch_tokens:
             batches.append(current)
-            current, grown = [], _Span().add(s)
+            current = []
+            grown, grown_continued = (whole, s_fed, whole - s_fed), s.prefix is not None
         current.append(s)
-        span = grown
+        (plain, fed, left), continued = grown, grown_continued
     if current:
         batches.append(current)
     return batches
-
-
-@dataclass(frozen=True)
-class _Span:
-    """Cache slots per row of a batch: the longest prompt + budget; with continued rows, whose
-    fed tokens are aligned, the most fed plus the most left to sample (a bound either way)."""
-
-    plain: int = 0
-    fed: int = 0
-    left: int = 0
-    continued: bool = False
-
-    def add(self, s: GenerationSequence) -> _Span:
-        whole = len(s.prompt) + s.budget
-        return _Span(
-            max(self.plain, whole),
-            max(self.fed, s.fed),
-            max(self.left, whole - s.fed),
-            self.continued or s.prefix is not None,
-        )
-
-    @property
-    def slots(self) -> int:
-        return self.fed + self.left if self.continued else self.plain

@@ -35,9 +35,9 @@ def sequence_uniforms(seed: int, keys: Sequence[int], count: int) -> torch.Tenso
     """float64 [len(keys), count]: uniforms in [0, 1), row i from its own seeded generator."""
     out = torch.empty(len(keys), count, dtype=torch.float64)
     gen = torch.Generator()
-    for row, key in enumerate(keys):
+    for row, key in zip(out.unbind(0), keys, strict=True):
         gen.manual_seed(sequence_seed(seed, key))
-        torch.rand(count, generator=gen, dtype=torch.float64, out=out[row])
+        torch.rand(count, generator=gen, dtype=torch.float64, out=row)
     return out
 
 
