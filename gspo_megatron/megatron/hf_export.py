@@ -247,7 +247,8 @@ class HFExporter:
                     self.pieces.chunks, self.pieces.mapping, ckpt, main_replica_only=True
                 ):
                     live = sh.data.detach() if applied is None else applied.of(sh.data.detach())
-                    live = live.reshape(region.shape).to(self.dtype)
+                    # on the host, where the export's regions are read (one piece at a time)
+                    live = live.reshape(region.shape).to(region.device, self.dtype)
                     if entry.kind == "vocab":  # padding rows are not exported
                         rows = max(0, min(region.shape[0], vocab - offsets[0]))
                         live, region = live[:rows], region[:rows]
