@@ -6,7 +6,8 @@ bitwise equal to the model the engine was loaded from, every file in the checkpo
 nothing temporary left. A tensor corrupted on its way to disk is caught and named alone; a full
 disk and a tokenizer that cannot be saved give one line naming the step and the reason and leave
 the checkpoint as it was. A LoRA policy (trained two steps: B non-zero, the saved modules
-moved) on one process and on TP2+SP, EP2 and PP2: the export is the merged model, verified by
+moved) on one process, on TP2+SP, EP2 and PP2, and (slow) on TP2+SP+PP2+EP2, TP2+SP+EP2+ETP2
+and TP2+SP+CP2: the export is the merged model, verified by
 the exporter against the layers' effective weights and the trainer's log-probs with adapters on,
 equal to what the converter writes from the same weights' checkpoint, and changed from the base
 wherever an adapter sits (an export that drops the adapters fails every one of these)."""
@@ -102,4 +103,12 @@ def test_lora_export_on_tp2_sp_ep2_and_pp2(export_models, tmp_path):
     model = export_models[0]
     layouts = ["tp=2,sp=1", "ep=2", "pp=2"]
     results = run([model], tmp_path, 2, layouts, lora=True)
+    assert_all(results, [(f"{model.name}:{x}", c) for x in layouts for c in LORA_EXPORT_CHECKS])
+
+
+@pytest.mark.slow
+def test_lora_export_on_four_ranks(export_models, tmp_path):
+    model = export_models[0]
+    layouts = ["tp=2,sp=1,pp=2,ep=2", "tp=2,sp=1,ep=2,etp=2", "cp=2,tp=2,sp=1"]
+    results = run([model], tmp_path, 4, layouts, lora=True)
     assert_all(results, [(f"{model.name}:{x}", c) for x in layouts for c in LORA_EXPORT_CHECKS])
