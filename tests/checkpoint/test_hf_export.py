@@ -6,9 +6,9 @@ bitwise equal to the model the engine was loaded from, every file in the checkpo
 nothing temporary left. A tensor corrupted on its way to disk is caught and named alone; a full
 disk and a tokenizer that cannot be saved give one line naming the step and the reason and leave
 the checkpoint as it was. A LoRA policy (trained two steps: B non-zero, the saved modules
-moved) on one process, on TP2+SP, EP2 and PP2, and (slow) on TP2+SP+PP2+EP2, TP2+SP+EP2+ETP2
-and TP2+SP+CP2: the export is the merged model, verified by
-the exporter against the layers' effective weights and the trainer's log-probs with adapters on,
+moved) on one process, on TP2+SP, EP2, PP2 and DP2, and (slow) on TP2+SP+PP2+EP2,
+TP2+SP+EP2+ETP2 and TP2+SP+CP2: the export is the merged model, verified by the exporter
+against the layers' effective weights and the trainer's log-probs with adapters on, bitwise
 equal to what the converter writes from the same weights' checkpoint, and changed from the base
 wherever an adapter sits (an export that drops the adapters fails every one of these)."""
 
@@ -38,7 +38,9 @@ EXPORT_CHECKS = [
     "config_and_tokenizer",
 ]
 LORA_EXPORT_CHECKS = [
-    "merged_equals_the_converted_checkpoint" if c == "tensors_bitwise_equal_to_the_source" else c
+    "merged_bitwise_equal_to_the_converted_checkpoint"
+    if c == "tensors_bitwise_equal_to_the_source"
+    else c
     for c in EXPORT_CHECKS
 ] + ["adapters_change_the_export"]
 CASE_CHECKS = [
@@ -99,9 +101,9 @@ def test_lora_export_on_one_process(export_models, tmp_path):
     assert_all(results, [(f"{m.name}:", c) for m in export_models for c in LORA_EXPORT_CHECKS])
 
 
-def test_lora_export_on_tp2_sp_ep2_and_pp2(export_models, tmp_path):
+def test_lora_export_on_tp2_sp_ep2_pp2_and_dp2(export_models, tmp_path):
     model = export_models[0]
-    layouts = ["tp=2,sp=1", "ep=2", "pp=2"]
+    layouts = ["tp=2,sp=1", "ep=2", "pp=2", ""]  # "": DP2
     results = run([model], tmp_path, 2, layouts, lora=True)
     assert_all(results, [(f"{model.name}:{x}", c) for x in layouts for c in LORA_EXPORT_CHECKS])
 
