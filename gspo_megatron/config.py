@@ -277,11 +277,12 @@ class TrainerSection:
     (they generate); with SGLang they leave after the weight sync. The KL reference's weights
     leave too under `all`.
     export_hf_every: every N RL steps (0: never), and at the end, the checkpoint also gets
-    `hf/`: the policy as a Hugging Face model (safetensors, config, tokenizer), written by every
-    rank, verified against the trainer (its tensors and its log-probs under transformers), in
-    the checkpoint's manifest (docs/CHECKPOINTS.md, "Hugging Face export"). Such a step is
-    always checkpointed. export_hf_on_failure: continue (the failed export is kept as
-    `hf.failed/` and named in one line) | stop (then the run stops, its checkpoint intact).
+    `hf/`: the policy as a Hugging Face model (safetensors, config, tokenizer; a LoRA policy's
+    merged, base + alpha/r * B @ A), written by every rank, verified against the trainer (its
+    tensors and its log-probs under transformers), in the checkpoint's manifest
+    (docs/CHECKPOINTS.md, "Hugging Face export"). Such a step is always checkpointed.
+    export_hf_on_failure: continue (the failed export is kept as `hf.failed/` and named in one
+    line) | stop (then the run stops, its checkpoint intact).
     """
 
     steps: int = bounded(800, ge=1)
@@ -981,13 +982,6 @@ def _check_lora(cfg: RunConfig, model: ModelConfig) -> None:
             f"rollout.engine={cfg.rollout.engine}: the backend does not generate with a LoRA "
             "policy's adapters (its registry entry, rollout/backends.py); use "
             "rollout.engine=embedded or sglang",
-        ),
-        (
-            cfg.trainer.export_hf_every > 0,
-            f"trainer.export_hf_every={cfg.trainer.export_hf_every}: the Hugging Face export of "
-            "a LoRA policy beside each checkpoint is not built yet; set "
-            "trainer.export_hf_every=0 and convert a checkpoint with "
-            "tools/convert_megatron_to_hf.py (merged, or --peft for the adapter)",
         ),
         (
             cfg.algorithm.advantage == "gae"

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from gspo_megatron.checkpoint.lora_mapping import merged_weight
 from gspo_megatron.checkpoint.mapping import ModelMapping, TensorMapping, qkv_to_hf
 from gspo_megatron.spec.lora import resolve_targets
 
@@ -80,10 +81,11 @@ def scaling(lora: dict[str, Any]) -> float:
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """weight + scale · B @ A (one megatron unit, its layout: B's rows are the weight's rows),
-    computed in float64 and returned in the weight's dtype."""
-    delta = b.double() @ a.double() * scale
-    return (weight.double() + delta).to(weight.dtype)
+    """weight + scale · B @ A (one megatron unit, its layout: B's rows are the weight's rows) in
+    the weight's dtype: the trainer's own merge (`lora_mapping.merged_weight`, what its layers
+    apply and what its weight sync and per-checkpoint export send), so a conversion gives the
+    same model."""
+    return merged_weight(weight, a, b, scale).to(weight.dtype)
 
 
 def _module(hf_weight_name: str) -> str:

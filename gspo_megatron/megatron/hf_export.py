@@ -14,15 +14,19 @@ tokenizer files, loadable by transformers, SGLang or vLLM as they are.
   added to the checkpoint's manifest (size, SHA-256). A kill leaves a `hf.tmp-*` directory (or a
   renamed one the manifest does not list): not an export; the resumed run removes it and
   exports that step again.
+- **A LoRA policy** (`engine.lora`) is exported merged, base + alpha/r * B @ A with the
+  modules_to_save's trained weights (`lora_sync.LoRAWeightSource`, the merged weights SGLang
+  receives; what tools/convert_megatron_to_hf.py writes by default from a LoRA checkpoint):
+  a model transformers, SGLang or vLLM load without peft.
 - **Verified.** (1) Every rank reads back, through the HF loader's own path
   (`weight_loading.hf_regions`), the regions of the export that its model shards hold and
-  compares them with its live weights cast to the export's dtype: any difference names the HF
-  tensor. (2) The
-  trainer's log-probs of a fixed probe batch (random tokens, `PROBE`) equal those of
-  transformers' model loaded from the export (float32, on rank 0) within `TOLERANCE` for the
-  trainer's dtype. A failed check keeps the export as `hf.failed/` with its record
-  (`gspo_export.json`: the differences and the suspect tensors); the caller decides whether the
-  run goes on (trainer.export_hf_on_failure).
+  compares them with its live weights cast to the export's dtype (a LoRA policy's: the weights
+  its layers apply, `effective_weight()`, via `lora_sync.EffectiveWeights`): any difference
+  names the HF tensor. (2) The trainer's log-probs (a LoRA policy's with its adapters on) of a
+  fixed probe batch (random tokens, `PROBE`) equal those of transformers' model loaded from the
+  export (float32, on rank 0) within `TOLERANCE` for the trainer's dtype. A failed check keeps
+  the export as `hf.failed/` with its record (`gspo_export.json`: the differences and the
+  suspect tensors); the caller decides whether the run goes on (trainer.export_hf_on_failure).
 - **Nothing lost on failure.** A full disk (checked before writing, and any write error), a
   tokenizer that cannot be saved, transformers failing on the export: one line naming the step
   and the reason; the temporary directory is removed and the checkpoint is as it was.
@@ -55,6 +59,7 @@ from gspo_megatron.checkpoint.hf_io import (
 )
 from gspo_megatron.config_fields import ConfigError
 from gspo_megatron.files import TEMPORARY_MARK, fsync_dir, temporary_path
+from gspo_megatron.megatron.lora_sync import EffectiveWeights, LoRAWeightSource
 from gspo_megatron.megatron.verify import engine_logprobs, random_sequences, transformers_logprobs
 from gspo_megatron.megatron.weight_export import MegatronWeightSource
 from gspo_megatron.megatron.weight_loading import hf_regions
@@ -106,7 +111,13 @@ class HFExporter:
         self.engine = engine
         self.model_config = engine.model_config
         self.dtype = engine.config.params_dtype
-        self.source = MegatronWeightSource.from_engine(engine, dtype=self.dtype)
+        self.lora = getattr(engine, "lora", None)
+        if self.lora is not None:  # the merged model (module docstring)
+            self.source = LoRAWeightSource.from_engine(engine, dtype=self.dtype)
+            self.pieces = self.source.base  # the base weights' pieces, read back merged
+        else:
+            self.source = MegatronWeightSource.from_engine(engine, dtype=self.dtype)
+            self.pieces = self.source
         self.tokenizer = tokenizer
         self.base_config = base_config
         self.max_shard_bytes = max_shard_bytes
@@ -227,14 +238,17 @@ class HFExporter:
         """HF tensor name -> max |exported - trainer| over the regions this rank holds, for every
         tensor that differs (of every rank, gathered)."""
         found: dict[str, float] = {}
+        applied = EffectiveWeights(self.engine.unwrapped_chunks) if self.lora else None
         try:
             ckpt = HFCheckpoint(tmp)
             vocab = self.model_config.vocab_size
             with torch.no_grad():
                 for entry, offsets, sh, region in hf_regions(
-                    self.source.chunks, self.source.mapping, ckpt, main_replica_only=True
+                    self.pieces.chunks, self.pieces.mapping, ckpt, main_replica_only=True
                 ):
-                    live = sh.data.detach().reshape(region.shape).to(self.dtype)
+                    live = sh.data.detach() if applied is None else applied.of(sh.data.detach())
+                    # on the host, where the export's regions are read (one piece at a time)
+                    live = live.reshape(region.shape).to(region.device, self.dtype)
                     if entry.kind == "vocab":  # padding rows are not exported
                         rows = max(0, min(region.shape[0], vocab - offsets[0]))
                         live, region = live[:rows], region[:rows]
@@ -242,7 +256,7 @@ class HFExporter:
                         continue
                     differs = ~torch.eq(live, region) & ~(live.isnan() & region.isnan())
                     for row in differs.reshape(differs.shape[0], -1).any(1).nonzero().flatten():
-                        name = self.source.mapping.hf_name_of_row(entry, offsets[0] + int(row))
+                        name = self.pieces.mapping.hf_name_of_row(entry, offsets[0] + int(row))
                         diff = float((live[row].float() - region[row].float()).abs().max())
                         found[name] = max(found.get(name, 0.0), diff)
         except Exception as err:  # noqa: BLE001 - an unreadable export: nothing can be trusted
@@ -277,6 +291,17 @@ class HFExporter:
                     hf_logging.enable_progress_bar()
         return _broadcast(out)
 
+    def _lora_record(self) -> dict[str, Any] | None:
+        if self.lora is None:
+            return None
+        lora = self.lora
+        return {
+            "rank": lora.rank,
+            "alpha": lora.alpha,
+            "targets": list(lora.targets),
+            "modules_to_save": list(lora.modules_to_save),
+        }
+
     def _probe_length(self) -> int:
         return min(PROBE["tokens"], self.engine.settings.max_sequence_length)
 
@@ -301,6 +326,8 @@ class HFExporter:
             "verified": ok,
             "problems": reasons,
             "dtype": dtype_name(self.dtype),
+            # a LoRA policy's export is the merged model: the adapters it holds
+            "lora_merged": self._lora_record(),
             "bytes": self.total_bytes,
             "probe": {**PROBE, "tokens": self._probe_length()},
             "logprob_diff": {k: v for k, v in probe.items() if k != "error"},

@@ -1,7 +1,8 @@
 """The Hugging Face export after a checkpoint (megatron/hf_export.py), under torchrun.
 
     torchrun --nproc-per-node 2 tests/checkpoint/hf_export_worker.py --hf-dir M [--hf-dir M2] \
-        --out O --layout ep=2 --layout pp=2 [--case corrupt] [--case enospc] [--case tokenizer]
+        --out O --layout ep=2 --layout pp=2 [--case corrupt] [--case enospc] [--case tokenizer] \
+        [--lora]
 
 For each model and layout: a TrainingEngine loaded from the HF model M on that layout exports
 itself into
@@ -14,6 +15,14 @@ of one tensor as it is written: the export fails, kept as hf.failed/, naming exa
 tensor; `enospc`: rank 1's shard write fails with "No space left on device": one line naming the
 step and the reason, nothing left behind, the manifest as it was; `tokenizer`: a tokenizer whose
 save_pretrained raises: refused up front (check_exportable) and, at export time, one line.
+
+`--lora`: the engine has LoRA adapters (rank 4, alpha 8, every target, the output layer and
+the final norm trained whole) and takes two Adam steps first (B away from zero, the saved
+modules away from M's). The export must be the merged model: verified by the exporter
+(read back against the layers' effective weights, log-probs with the adapters on), bitwise
+equal to what tools/convert_megatron_to_hf.py writes from the engine's checkpoint (the same
+merge, `lora_mapping.merged_weight`: `merged_bitwise_equal_to_the_converted_checkpoint`), and
+far from M where adapters sit (`adapters_change_the_export`: an export that dropped them fails).
 
 Prints one JSON line per check on rank 0: {"layout", "check", "value", "ok"}.
 """
@@ -39,14 +48,18 @@ from layout_text import parse_layout
 from gspo_megatron.checkpoint import hf_io, manifest
 from gspo_megatron.checkpoint.hf_io import HFCheckpoint, read_hf_config
 from gspo_megatron.config_fields import ConfigError
-from gspo_megatron.megatron import parallel
+from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.hf_export import FAILED_DIR, HFExporter, check_exportable
 from gspo_megatron.megatron.training_engine import TrainingEngine
 from gspo_megatron.megatron.weight_loading import load_weights
+from gspo_megatron.spec.lora import LoRASettings
+from gspo_megatron.spec.loss import LossSettings
+from gspo_megatron.spec.sample import TrainSample
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
 CORRUPTED = "model.layers.1.mlp.experts.2.gate_proj.weight"
 LAYOUT = ""
+LORA = LoRASettings(rank=4, alpha=8.0, modules_to_save=["output_layer", "final_norm"])
 
 
 def emit(check: str, value, ok: bool) -> None:
@@ -55,19 +68,40 @@ def emit(check: str, value, ok: bool) -> None:
         print(json.dumps(line), flush=True)
 
 
-def build(hf_dir: Path, text: str) -> TrainingEngine:
+def build(hf_dir: Path, text: str, lora: bool = False) -> TrainingEngine:
     layout = parse_layout(text, parallel.world_size_from_env())
     parallel.initialize(layout, seed=3)
     cfg = read_hf_config(hf_dir)[0]
+    optimizer = OptimizerSettings(
+        name="adam" if lora else "sgd", lr=2e-2 if lora else 0.0, clip_grad=0.0,
+        weight_decay=0.0, distributed_optimizer=False,
+    )  # fmt: skip
     engine = TrainingEngine(
-        cfg,
-        layout,
-        EngineSettings(max_sequence_length=64),
-        OptimizerSettings(name="sgd", lr=0.0, clip_grad=0.0, distributed_optimizer=False),
-    )
+        cfg, layout, EngineSettings(max_sequence_length=64), optimizer,
+        lora=LORA if lora else None, lora_seed=3,
+    )  # fmt: skip
     load_weights(engine.unwrapped_chunks, cfg, hf_dir)
     engine.optimizer.reload_model_params()
+    if lora:
+        train(engine, cfg.vocab_size)
     return engine
+
+
+def train(engine: TrainingEngine, vocab: int) -> None:
+    """Two Adam steps on random samples: B and the saved modules move (the same on every
+    layout, whose ranks see the same batch)."""
+    gen = torch.Generator().manual_seed(5)
+    batch = []
+    for n in (9, 23, 5, 14):
+        ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+        batch.append(TrainSample(ids[:3], ids[3:], advantage=float(n % 3) - 1.0))
+    old = engine.forward(batch).logprobs
+    train = [
+        TrainSample(s.prompt_ids, s.response_ids, s.advantage, old_logprobs=list(lp))
+        for s, lp in zip(batch, old, strict=True)
+    ]
+    for _ in range(2):
+        engine.train_step(train, LossSettings("gspo", {"clip_low": 0.2, "clip_high": 0.2}))
 
 
 def checkpoint_dir(out: Path, name: str) -> Path:
@@ -93,6 +127,16 @@ def exporter(engine: TrainingEngine, hf_dir: Path, tokenizer=None) -> HFExporter
 def check_export(engine: TrainingEngine, hf_dir: Path, out: Path) -> None:
     where = checkpoint_dir(out, LAYOUT)
     result = exporter(engine, hf_dir).export(3, where)
+    converted = None
+    if engine.lora is not None:  # the converter's merge of the same weights, to compare with
+        saved = out / f"{LAYOUT}-megatron"
+        checkpointing.save_engine(engine, saved, with_optimizer=False)
+        if dist.get_rank() == 0:
+            from gspo_megatron.checkpoint.convert import convert_megatron_to_hf
+
+            converted = out / f"{LAYOUT}-converted"
+            convert_megatron_to_hf(saved, converted)
+        dist.barrier()
     emit("export_verified", result.message, result.ok)
     if dist.get_rank() != 0:
         return
@@ -106,7 +150,21 @@ def check_export(engine: TrainingEngine, hf_dir: Path, out: Path) -> None:
     emit("every_rank_wrote_a_share", shards, len(shards) >= dist.get_world_size())
     names_equal = sorted(export.names) == sorted(source.names)
     differ = [n for n in source.names if not torch.equal(export.read(n), source.read(n))]
-    emit("tensors_bitwise_equal_to_the_source", differ, names_equal and not differ)
+    if converted is None:
+        emit("tensors_bitwise_equal_to_the_source", differ, names_equal and not differ)
+    else:
+        reference = HFCheckpoint(converted)
+        unequal = [n for n in reference.names if not torch.equal(export.read(n), reference.read(n))]
+        same_names = sorted(export.names) == sorted(reference.names)
+        emit("merged_bitwise_equal_to_the_converted_checkpoint", unequal[:5],
+             same_names and not unequal)  # fmt: skip
+        # every adapted or trained tensor moved away from M (an adapter dropped would not)
+        unmoved = [
+            n for n in source.names
+            if n.endswith(("proj.weight", "lm_head.weight", "model.norm.weight"))
+            and n not in differ
+        ]  # fmt: skip
+        emit("adapters_change_the_export", unmoved[:5], names_equal and not unmoved)
     problems = manifest.verify(where)
     listed = manifest.read_manifest(where)
     files = {str(p.relative_to(where)) for p in where.rglob("*") if p.is_file()}
@@ -197,12 +255,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--layout", action="append", required=True)
     parser.add_argument("--case", action="append", default=[], choices=sorted(CASES))
+    parser.add_argument("--lora", action="store_true")
     args = parser.parse_args()
     first = True
     for hf_dir in args.hf_dir:
         for text in args.layout:
             LAYOUT = f"{hf_dir.name}:{text}"
-            engine = build(hf_dir, text)
+            engine = build(hf_dir, text, lora=args.lora)
             check_export(engine, hf_dir, args.out)
             for case in args.case if first else ():
                 CASES[case](engine, hf_dir, args.out)

@@ -5,7 +5,12 @@ against its live weights, log-probs against transformers' within 1e-5), written 
 bitwise equal to the model the engine was loaded from, every file in the checkpoint's manifest,
 nothing temporary left. A tensor corrupted on its way to disk is caught and named alone; a full
 disk and a tokenizer that cannot be saved give one line naming the step and the reason and leave
-the checkpoint as it was."""
+the checkpoint as it was. A LoRA policy (trained two steps: B non-zero, the saved modules
+moved) on one process, on TP2+SP, EP2, PP2 and DP2, and (slow) on TP2+SP+PP2+EP2,
+TP2+SP+EP2+ETP2 and TP2+SP+CP2: the export is the merged model, verified by the exporter
+against the layers' effective weights and the trainer's log-probs with adapters on, bitwise
+equal to what the converter writes from the same weights' checkpoint, and changed from the base
+wherever an adapter sits (an export that drops the adapters fails every one of these)."""
 
 from __future__ import annotations
 
@@ -32,6 +37,12 @@ EXPORT_CHECKS = [
     "nothing_temporary_left",
     "config_and_tokenizer",
 ]
+LORA_EXPORT_CHECKS = [
+    "merged_bitwise_equal_to_the_converted_checkpoint"
+    if c == "tensors_bitwise_equal_to_the_source"
+    else c
+    for c in EXPORT_CHECKS
+] + ["adapters_change_the_export"]
 CASE_CHECKS = [
     "corrupted_export_fails",
     "corrupted_tensor_named_alone",
@@ -51,10 +62,13 @@ def export_models(tmp_path_factory) -> list[Path]:
     return [root / "tiny_moe", root / "odd_moe"]
 
 
-def run(models: list[Path], out: Path, nproc: int, layouts: list[str], cases=()) -> dict:
+def run(
+    models: list[Path], out: Path, nproc: int, layouts: list[str], cases=(), lora=False
+) -> dict:
     args = [a for m in models for a in ("--hf-dir", str(m))] + ["--out", str(out)]
     args += [a for x in layouts for a in ("--layout", x)]
     args += [a for c in cases for a in ("--case", c)]
+    args += ["--lora"] if lora else []
     lines = run_worker(WORKER, args, nproc=nproc, timeout=1500)
     return {(r["layout"], r["check"]): r for r in lines if "check" in r}
 
@@ -80,3 +94,23 @@ def test_export_on_tp2_ep2(export_models, tmp_path):
     layout = "tp=2,sp=1,ep=2"
     results = run(models, tmp_path, 4, [layout])
     assert_all(results, [(f"{m.name}:{layout}", c) for m in models for c in EXPORT_CHECKS])
+
+
+def test_lora_export_on_one_process(export_models, tmp_path):
+    results = run(export_models, tmp_path, 1, [""], lora=True)
+    assert_all(results, [(f"{m.name}:", c) for m in export_models for c in LORA_EXPORT_CHECKS])
+
+
+def test_lora_export_on_tp2_sp_ep2_pp2_and_dp2(export_models, tmp_path):
+    model = export_models[0]
+    layouts = ["tp=2,sp=1", "ep=2", "pp=2", ""]  # "": DP2
+    results = run([model], tmp_path, 2, layouts, lora=True)
+    assert_all(results, [(f"{model.name}:{x}", c) for x in layouts for c in LORA_EXPORT_CHECKS])
+
+
+@pytest.mark.slow
+def test_lora_export_on_four_ranks(export_models, tmp_path):
+    model = export_models[0]
+    layouts = ["tp=2,sp=1,pp=2,ep=2", "tp=2,sp=1,ep=2,etp=2", "cp=2,tp=2,sp=1"]
+    results = run([model], tmp_path, 4, layouts, lora=True)
+    assert_all(results, [(f"{model.name}:{x}", c) for x in layouts for c in LORA_EXPORT_CHECKS])

@@ -66,13 +66,18 @@ def test_gspo_train_save_resume(tmp_path):
 def test_gspo_train_ep2_from_hugging_face_routing_replay(tmp_path):
     """Two ranks with expert parallelism, initial weights from a Hugging Face directory, R3
     replay of the rollout's routes, and asynchronous rollouts (the generator process takes the
-    weights from the devices, the samples and routes go back to them)."""
+    weights from the devices, the samples and routes go back to them), and the verified Hugging
+    Face export of the last checkpoint."""
     init = hf_policy(tmp_path / "hf")
     run = tmp_path / "run"
     emulated_train(
         run, "parallel=ep2", f"model.init_from={init}", "algorithm.routing_replay=r3",
-        "rollout.mode=async", "trainer.steps=3", "eval.every=3", nproc=2,
+        "rollout.mode=async", "trainer.steps=3", "eval.every=3", "trainer.export_hf_every=3",
+        nproc=2,
     )  # fmt: skip
+    # the Hugging Face export's read-back compares the device's weights with the host's file
+    export = json.loads((run / "checkpoints/step_000003/hf/gspo_export.json").read_text())
+    assert export["verified"] and export["lora_merged"] is None, export
     records = read_metrics(run)
     assert len(records) == 3 and records[-1]["async/staleness_max"] == 1
 
@@ -135,17 +140,21 @@ def test_gspo_train_lora_tp2_sp_from_hugging_face_with_kl(tmp_path):
     """Two ranks with tensor and sequence parallelism training LoRA adapters (docs/LORA.md)
     over base weights from a Hugging Face directory: the adapters' collectives, the KL
     reference as the base model with the adapters off, a learned reward model beside them, the
-    state offloaded during rollouts, a checkpoint of adapters and frozen base."""
+    state offloaded during rollouts, a checkpoint of adapters and frozen base, and beside it the
+    verified Hugging Face export of the merged model (trainer.export_hf_every)."""
     init = hf_policy(tmp_path / "hf")
     rm = hf_policy(tmp_path / "rm", reward_model=True)
     run = tmp_path / "run"
     emulated_train(
         run, "parallel=tp2", "lora.rank=4", f"model.init_from={init}", "algorithm.kl_coef=0.1",
         f"reward.model_path={rm}", "reward.model_weight=0.1",
-        "trainer.offload_during_rollout=all", "trainer.steps=2", "eval.every=2", nproc=2,
+        "trainer.offload_during_rollout=all", "trainer.steps=2", "eval.every=2",
+        "trainer.export_hf_every=2", nproc=2,
     )  # fmt: skip
     records = read_metrics(run)
     assert len(records) == 2 and records[-1]["actor/kl_ref"] > 0
+    export = json.loads((run / "checkpoints/step_000002/hf/gspo_export.json").read_text())
+    assert export["verified"] and export["lora_merged"]["rank"] == 4, export
 
 
 def test_gspo_train_multi_turn_kept_context_and_turn_credit(tmp_path):

@@ -112,8 +112,6 @@ ATTENTION = "lora.targets=[attention.linear_qkv,attention.linear_proj]"
          "refuses dynamic LoRA loading with data-parallel replicas"),
         (["rollout=sglang", "rollout.sglang.lora_sync=adapter"],
          "rollout.sglang.lora_sync=adapter with lora.rank=null: there are no adapters to sync"),
-        (["lora.rank=8", "trainer.export_hf_every=5"],
-         "lora.rank=8 with trainer.export_hf_every=5: the Hugging Face export of a LoRA policy"),
         (["lora.rank=8", "lora.modules_to_save=[lm_head]"],
          "lora.modules_to_save entry 'lm_head' is not one of ['output_layer', 'final_norm', "
          "'embedding']"),
@@ -126,7 +124,7 @@ ATTENTION = "lora.targets=[attention.linear_qkv,attention.linear_proj]"
     ids=["rank-0", "rank-negative", "alpha-without-rank", "dense-target-on-moe",
          "expert-target-on-dense", "router", "unknown-target", "no-targets", "dropout", "te",
          "sglang-adapter-tensor", "sglang-adapter-saved", "sglang-adapter-experts",
-         "sglang-adapter-dp", "sglang-adapter-without-lora", "hf-export", "saved-unknown",
+         "sglang-adapter-dp", "sglang-adapter-without-lora", "saved-unknown",
          "saved-tied", "saved-with-kl", "saved-without-rank"],
 )  # fmt: skip
 def test_lora_refused(overrides, message):
@@ -151,6 +149,8 @@ def test_lora_resolves_on_moe_and_dense_models():
     assert resolve(raw, 1, check_inputs=False)[0].rollout.sglang.lora_sync == "merged"
     raw = compose(["lora.rank=8", "rollout=sglang", *ADAPTER_SYNC, ATTENTION])
     assert resolve(raw, 1, check_inputs=False)[0].rollout.sglang.lora_sync == "adapter"
+    # the Hugging Face export beside each checkpoint is the merged model (megatron/hf_export.py)
+    assert resolved("lora.rank=8", "trainer.export_hf_every=5")[0].trainer.export_hf_every == 5
     raw = compose(["model=tiny_dense", "lora.rank=2", "lora.targets=[mlp.linear_fc2]"])
     cfg, model, _ = resolve(raw, 1)
     assert resolve_targets(cfg.lora.targets, model.is_moe) == {"mlp.linear_fc2"}
