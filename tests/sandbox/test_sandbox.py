@@ -186,7 +186,9 @@ from gspo_megatron.sandbox import Sandbox, SandboxConfig, SandboxLimits
 sandbox = Sandbox(SandboxConfig(workers=1, python=sys.executable))
 seen = sandbox.run_blocking("import os\\nprint(os.getuid(), os.getpid(), sorted(os.listdir('/')))")
 net = sandbox.run_blocking("import socket\\nsocket.socket()")
-loop = sandbox.run_blocking("while True: pass", limits=SandboxLimits(wall_s=1))
+loop = sandbox.run_blocking(
+    "while True: pass", limits=SandboxLimits(wall_s=1, cpu_s=5)
+)  # the CPU limit far away: the wall clock ends it
 print(repr([os.getuid(), sandbox.layers, seen.stdout, net.status, loop.status]))
 sandbox.close()
 """
