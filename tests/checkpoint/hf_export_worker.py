@@ -43,6 +43,7 @@ from gspo_megatron.megatron import cpu_compat
 
 cpu_compat.apply()  # before megatron-core is imported
 
+from engine_steps import gspo_steps
 from layout_text import parse_layout
 
 from gspo_megatron.checkpoint import hf_io, manifest
@@ -53,7 +54,6 @@ from gspo_megatron.megatron.hf_export import FAILED_DIR, HFExporter, check_expor
 from gspo_megatron.megatron.training_engine import TrainingEngine
 from gspo_megatron.megatron.weight_loading import load_weights
 from gspo_megatron.spec.lora import LoRASettings
-from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.sample import TrainSample
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
@@ -95,13 +95,7 @@ def train(engine: TrainingEngine, vocab: int) -> None:
     for n in (9, 23, 5, 14):
         ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
         batch.append(TrainSample(ids[:3], ids[3:], advantage=float(n % 3) - 1.0))
-    old = engine.forward(batch).logprobs
-    train = [
-        TrainSample(s.prompt_ids, s.response_ids, s.advantage, old_logprobs=list(lp))
-        for s, lp in zip(batch, old, strict=True)
-    ]
-    for _ in range(2):
-        engine.train_step(train, LossSettings("gspo", {"clip_low": 0.2, "clip_high": 0.2}))
+    gspo_steps(engine, batch, 2)
 
 
 def checkpoint_dir(out: Path, name: str) -> Path:

@@ -23,6 +23,8 @@ from gspo_megatron.megatron import cpu_compat
 
 cpu_compat.apply()  # before megatron-core is imported
 
+from engine_steps import gspo_steps
+
 from gspo_megatron.checkpoint.hf_io import read_hf_config
 from gspo_megatron.megatron import checkpointing, parallel
 from gspo_megatron.megatron.lora import adapted_layers
@@ -31,7 +33,6 @@ from gspo_megatron.megatron.verify import engine_logprobs, random_sequences
 from gspo_megatron.megatron.weight_loading import load_weights
 from gspo_megatron.spec.layout import ParallelLayout
 from gspo_megatron.spec.lora import LoRASettings
-from gspo_megatron.spec.loss import LossSettings
 from gspo_megatron.spec.sample import TrainSample
 from gspo_megatron.spec.training import EngineSettings, OptimizerSettings
 
@@ -62,13 +63,7 @@ def trained_checkpoint(hf_dir: Path, out: Path) -> dict:
     engine.optimizer.reload_model_params()
     head = engine.unwrapped_chunks[0].output_layer.weight.detach().clone()
     batch = samples(cfg.vocab_size)
-    old = engine.forward(batch).logprobs
-    train = [
-        TrainSample(s.prompt_ids, s.response_ids, s.advantage, old_logprobs=list(lp))
-        for s, lp in zip(batch, old, strict=True)
-    ]
-    for _ in range(3):
-        engine.train_step(train, LossSettings("gspo", {"clip_low": 0.2, "clip_high": 0.2}))
+    gspo_steps(engine, batch, 3)
     out.mkdir(parents=True)
     checkpointing.save_engine(engine, out / "ckpt")
     tokens = random_sequences(cfg.vocab_size, **PROBE)

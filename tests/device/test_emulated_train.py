@@ -157,19 +157,30 @@ def test_gspo_train_lora_tp2_sp_from_hugging_face_with_kl(tmp_path):
     assert export["verified"] and export["lora_merged"]["rank"] == 4, export
 
 
+# Two steps of episodes with two observations each, on the tool-call character tokenizer.
+TWO_TURN_EPISODES = (
+    "env.name=envs.scripted_envs:TwoObservations", "env.max_tokens=40",
+    "model.tokenizer=char_tools", "model.vocab_size=80", "rollout.max_new_tokens=12",
+    "rollout.group_size=8", "trainer.steps=2", "eval.every=0",
+)  # fmt: skip
+
+
+def assert_kept_context(records: list[dict]) -> None:
+    """Both steps ran episodes of more than one turn, each reusing K/V kept between turns."""
+    assert len(records) == 2 and all(r["env/turns_mean"] > 1 for r in records)
+    assert all(r["rollout/prefix_cache_reused_tokens"] > 0 for r in records)
+
+
 def test_gspo_train_multi_turn_kept_context_and_turn_credit(tmp_path):
     """One rank running episodes with the torch decoder: the K/V kept between an episode's
     turns (rollout.prefix_cache_tokens) live on the device with the batch's cache they are
     copied into, and per-turn credit's token advantages reach the loss there."""
     emulated_train(
-        tmp_path, "env.name=envs.scripted_envs:TwoObservations", "env.max_tokens=40",
-        "model.tokenizer=char_tools", "model.vocab_size=80", "rollout.max_new_tokens=12",
-        "rollout.group_size=8", "algorithm=gspo_token", "algorithm.credit=turn",
-        "algorithm.turn_gamma=0.5", "trainer.steps=2", "eval.every=0",
+        tmp_path, *TWO_TURN_EPISODES, "algorithm=gspo_token", "algorithm.credit=turn",
+        "algorithm.turn_gamma=0.5",
     )  # fmt: skip
     records = read_metrics(tmp_path)
-    assert len(records) == 2 and all(r["env/turns_mean"] > 1 for r in records)
-    assert all(r["rollout/prefix_cache_reused_tokens"] > 0 for r in records)
+    assert_kept_context(records)
 
 
 def test_gspo_train_lora_torch_decoder_kept_context(tmp_path):
@@ -179,13 +190,10 @@ def test_gspo_train_lora_torch_decoder_kept_context(tmp_path):
     keep them would count every prompt as rollout/prefix_cache_unsupported."""
     emulated_train(
         tmp_path, "lora.rank=4", "lora.modules_to_save=[output_layer,final_norm]",
-        "env.name=envs.scripted_envs:TwoObservations", "env.max_tokens=40",
-        "model.tokenizer=char_tools", "model.vocab_size=80", "rollout.max_new_tokens=12",
-        "rollout.group_size=8", "trainer.steps=2", "eval.every=0",
+        *TWO_TURN_EPISODES,
     )  # fmt: skip
     records = read_metrics(tmp_path)
-    assert len(records) == 2 and all(r["env/turns_mean"] > 1 for r in records)
-    assert all(r["rollout/prefix_cache_reused_tokens"] > 0 for r in records)
+    assert_kept_context(records)
     assert all(r["rollout/prefix_cache_unsupported"] == 0 for r in records)
     # the rollouts' log-probs are the adapted policy's (the trainer's recompute)
     assert all(r["mismatch/logprob_abs_diff_max"] < 1e-5 for r in records)
