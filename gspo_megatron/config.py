@@ -349,9 +349,13 @@ class SentinelSection:
     no signal is active), evaluated after `warmup_steps` steps:
     reward_drop: reward/mean below its moving average by more than this (reward units), for
     reward_patience steps in a row (0 = off). entropy_fraction: actor/entropy below this fraction
-    of its moving average, for entropy_patience steps (0 = off). grad_norm_factor: the step's
-    largest pre-clipping gradient norm (actor/grad_norm_max) above this multiple of its moving
-    average, for grad_norm_patience steps (0 = off). nonfinite_patience: steps in a row with a
+    of its moving average, for entropy_patience steps (0 = off), watched only while that average
+    is at least entropy_floor nats per token (a policy already near-deterministic cannot turn
+    so; 0 = at any level). grad_norm_factor: the step's largest pre-clipping gradient norm
+    (actor/grad_norm_max) above this multiple of its moving average, for grad_norm_patience
+    steps (0 = off); with grad_norm_requires_reward_dip, only on steps whose reward/mean is below
+    its moving average (an optimizer out of its basin shows in the reward; a converged policy's
+    gradient spikes on its rare failures do not). nonfinite_patience: steps in a row with a
     non-finite loss, gradient (skipped optimizer steps), entropy or reward (0 = off; from step
     1). on_mismatch_budget: the mismatch budget exceeded is a signal too.
     remedy after a rollback: skip_window_lower_lr (the prompts drawn since the checkpoint are
@@ -367,8 +371,10 @@ class SentinelSection:
     reward_patience: int = bounded(5, ge=1)
     entropy_fraction: float = bounded(0.1, ge=0, lt=1)
     entropy_patience: int = bounded(5, ge=1)
+    entropy_floor: float = bounded(0.05, ge=0)
     grad_norm_factor: float = bounded(10.0, gt=1, special=(0,))
     grad_norm_patience: int = bounded(3, ge=1)
+    grad_norm_requires_reward_dip: bool = True
     nonfinite_patience: int = bounded(2, ge=0)
     on_mismatch_budget: bool = False
     remedy: str = choice("skip_window_lower_lr", "skip_window", "lower_lr", "resample")

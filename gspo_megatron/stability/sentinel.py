@@ -123,19 +123,36 @@ class CollapseSentinel:
                 f"{base:.4g} (stability.sentinel.reward_drop={s.reward_drop:g})"
             )
         entropy = self._against_baseline("entropy", metrics)
-        if s.entropy_fraction and entropy and entropy[0] < s.entropy_fraction * entropy[1]:
+        if (
+            s.entropy_fraction
+            and entropy
+            and entropy[1] >= s.entropy_floor
+            and entropy[0] < s.entropy_fraction * entropy[1]
+        ):
             value, base = entropy
             seen["entropy"] = (
                 f"actor/entropy {value:.4g} is {value / base:.3g} of its moving average "
                 f"{base:.4g} (stability.sentinel.entropy_fraction={s.entropy_fraction:g})"
             )
         grad = self._against_baseline("grad_norm", metrics)
-        if s.grad_norm_factor and grad and grad[1] > 0 and grad[0] > s.grad_norm_factor * grad[1]:
+        dip = reward is not None and reward[0] < reward[1]
+        if (
+            s.grad_norm_factor
+            and grad
+            and grad[1] > 0
+            and grad[0] > s.grad_norm_factor * grad[1]
+            and (dip or not s.grad_norm_requires_reward_dip)
+        ):
             value, base = grad
             seen["grad_norm"] = (
                 f"actor/grad_norm_max {value:.4g} is {value / base:.3g}x its moving average "
                 f"{base:.4g} (stability.sentinel.grad_norm_factor={s.grad_norm_factor:g})"
             )
+            if dip:
+                seen["grad_norm"] += (
+                    f" while reward/mean {reward[0]:.4g} is below its moving average "
+                    f"{reward[1]:.4g}"
+                )
         return seen
 
     def _against_baseline(self, name: str, metrics: dict[str, float]) -> tuple[float, float] | None:
