@@ -52,6 +52,8 @@ Assumptions of the estimate (parameters are exact; the rest is an estimate):
   to rollout.prefix_cache_tokens tokens kept between calls (counted with or without an
   environment, which alone keeps them; in rollout.mode=sync both freed before training; the
   generator process of one_step_off / async keeps its context until its next weight update).
+  With LoRA on a layout that does not split the model (tp = ep = etp = pp = 1), sync mode's
+  torch decoder also holds a merged copy of every adapted weight while a batch generates.
   Colocated SGLang servers hold mem_fraction_static of the GPU while generating; with
   offload_after_generate they keep ~2 GiB (CUDA context, graphs' pools) while training,
   without it their whole fraction. Servers on other GPUs (disaggregated) cost the trainer nothing.
@@ -147,6 +149,21 @@ def lora_layer_params(
     if per_expert:
         expert = model.num_experts // ep * per_expert
     return dense, expert
+
+
+def lora_adapted_weight_params(model: ModelConfig, lora: LoRASettings) -> int:
+    """Parameters of one decoder layer's weights that `lora`'s adapters sit on, unsplit."""
+    h, d = model.hidden_size, model.head_dim
+    targets = resolve_targets(lora.targets, model.is_moe)
+    sizes = {
+        "attention.linear_qkv": (model.num_attention_heads + 2 * model.num_key_value_heads) * d * h,
+        "attention.linear_proj": h * model.num_attention_heads * d,
+        "mlp.linear_fc1": 2 * model.intermediate_size * h,
+        "mlp.linear_fc2": h * model.intermediate_size,
+        "experts.linear_fc1": model.num_experts * 2 * model.moe_intermediate_size * h,
+        "experts.linear_fc2": model.num_experts * h * model.moe_intermediate_size,
+    }
+    return sum(size for name, size in sizes.items() if name in targets)
 
 
 def stage_params(
@@ -629,6 +646,12 @@ def _rollout_share(
         cache = (r.kv_cache_tokens + r.kept_kv_tokens) * layers * 2 * kv_heads * model.head_dim * b
         prefill = layer_activation_bytes(model, layout, r.kv_cache_tokens * layout.cp)
         generating += (cache + prefill) / GIB
+    unsplit = layout.tp == layout.ep == layout.etp == layout.pp == 1
+    lora = settings.lora
+    if r.merges_adapters_per_batch and unsplit and lora is not None and lora.enabled:
+        b = DTYPE_BYTES[model.params_dtype]
+        adapted = lora_adapted_weight_params(model, lora) * model.num_hidden_layers
+        generating += adapted * b / GIB
     if r.server_fraction:
         held = r.server_fraction * settings.gpu_memory_gib
         generating += held

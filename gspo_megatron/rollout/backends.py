@@ -71,7 +71,9 @@ class RolloutShare:
     server_idle_gib: what they keep while training (None: all of it); fraction_key: the
     setting that sets their share (named in the planner's advice).
     keeps_policy_weights: the engine generates with the policy's weights (they stay on the GPU
-    whatever trainer.offload_during_rollout says).
+    whatever trainer.offload_during_rollout says). merges_adapters_per_batch: with LoRA on a
+    model not split over ranks, the engine generates from a merged copy of every adapted
+    weight (base + alpha/r * B @ A) held while a batch generates.
     """
 
     kv_cache_tokens: int = 0
@@ -80,6 +82,7 @@ class RolloutShare:
     server_idle_gib: float | None = None
     fraction_key: str = ""
     keeps_policy_weights: bool = False
+    merges_adapters_per_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_tokens < 0 or self.kept_kv_tokens < 0:

@@ -6,7 +6,7 @@ initialises megatron's parallel state, builds the policy with gspo_megatron.mega
 meta device (no memory, no initialisation) and prints one JSON line per rank with the numbers of
 dense and expert (`.mlp.experts.`) parameters; a case with "lora_rank" builds the model with
 LoRA adapters of that rank on every target and counts them apart (`adapter_dense`,
-`adapter_expert`).
+`adapter_expert`), and the weights they sit on (`adapted_weights`).
 
     python tests/planner/count_worker.py '[{"preset": "tiny_moe", "world": 1, "ranks": [0],
                                            "layout": {}}]'
@@ -29,6 +29,7 @@ from megatron.core import parallel_state  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from gspo_megatron.megatron import parallel  # noqa: E402
+from gspo_megatron.megatron.lora import adapted_layers  # noqa: E402
 from gspo_megatron.megatron.model import build_model_chunks, transformer_config  # noqa: E402
 from gspo_megatron.spec.layout import ParallelLayout  # noqa: E402
 from gspo_megatron.spec.lora import LoRASettings  # noqa: E402
@@ -55,7 +56,9 @@ def count(preset: str, layout: ParallelLayout, rank: int, lora_rank: int | None)
         expert = sum(p.numel() for n, p in params if ".mlp.experts." in n)
         total = sum(p.numel() for _, p in params)
         adapter_expert = sum(p.numel() for n, p in adapters if ".mlp.experts." in n)
+        adapted = [layer.weight for _, layer in adapted_layers(chunks)]
         return {
+            "adapted_weights": sum(w.numel() for w in adapted),
             "adapter_dense": sum(p.numel() for _, p in adapters) - adapter_expert,
             "adapter_expert": adapter_expert,
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),

@@ -15,6 +15,7 @@ from gspo_megatron.memory_plan import (
     PlanError,
     PlanSettings,
     in_flight_chunks,
+    lora_adapted_weight_params,
     model_params,
     plan,
     stage_params,
@@ -84,6 +85,34 @@ def test_lora_adapter_counts_equal_megatrons(megatron_counts):
             row["adapter_expert"],
         ), where
         assert row["adapter_dense"] > 0 and (row["adapter_expert"] > 0) == model.is_moe, where
+        if layout.world_size == 1:  # what the torch decoder merges per batch (one rank)
+            adapted = lora_adapted_weight_params(model, LoRASettings(rank=8))
+            assert adapted * model.num_hidden_layers == row["adapted_weights"], where
+
+
+def test_lora_counts_the_merged_copy_only_where_the_torch_decoder_merges():
+    """Sync mode on a model not split over ranks generates from a merged copy of every adapted
+    weight; the generator process (one_step_off / async) and split models hold none."""
+    model, lora = load_preset("qwen3_0_6b"), LoRASettings(rank=16)
+    copy = lora_adapted_weight_params(model, lora) * model.num_hidden_layers * 2 / 2**30
+    assert copy > 0.5  # every linear of the 0.6B model, bfloat16
+    share = RolloutShare(kv_cache_tokens=4096, merges_adapters_per_batch=True)
+    common = dict(micro_batch_tokens=4096, rollout=share)
+
+    def generating(world: int, lora_settings=lora, **layout) -> float:
+        return (
+            _plan("qwen3_0_6b", world, lora=lora_settings, **common, **layout)
+            .stages[0]
+            .rollout_generating
+        )
+
+    assert generating(1) - generating(1, None) == pytest.approx(copy)
+    assert generating(8) - generating(8, None) == pytest.approx(copy)  # data parallel: unsplit
+    assert generating(2, tp=2) == pytest.approx(generating(2, None, tp=2))
+    share = RolloutShare(kv_cache_tokens=4096)  # the generator process's engine
+    assert _plan("qwen3_0_6b", 1, lora=lora, micro_batch_tokens=4096, rollout=share).stages[
+        0
+    ].rollout_generating == pytest.approx(generating(1, None))
 
 
 def test_lora_trains_and_keeps_state_for_the_adapters_only():

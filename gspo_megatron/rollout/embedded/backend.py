@@ -114,9 +114,13 @@ def memory_share(rollout: RolloutSection) -> RolloutShare:
     """A KV cache of rollout.max_batch_tokens slots while generating, and the context kept
     between calls (rollout.prefix_cache_tokens, kept only with an environment, counted
     whether one runs or not): in rollout.mode=sync both freed before training; the generator
-    process (one_step_off / async) keeps its context until the next weight update."""
+    process (one_step_off / async) keeps its context until the next weight update. In sync
+    mode a LoRA policy's torch decoder merges the adapted weights into a copy per batch; the
+    generator process merges into the weights it holds anyway."""
     return RolloutShare(
-        kv_cache_tokens=rollout.max_batch_tokens, kept_kv_tokens=rollout.prefix_cache_tokens
+        kv_cache_tokens=rollout.max_batch_tokens,
+        kept_kv_tokens=rollout.prefix_cache_tokens,
+        merges_adapters_per_batch=rollout.mode == "sync",
     )
 
 
