@@ -268,13 +268,22 @@ def build_microbatch(
     """
     chosen = [samples[i] for i in indices]
     b = len(chosen)
+    prompt_lengths = [len(s.prompt_ids) for s in chosen]
+    lengths = [p + len(s.response_ids) for p, s in zip(prompt_lengths, chosen, strict=True)]
     if packed:
         seq_multiple = 2 * cp_size if cp_size > 1 else 1
-        seq_lengths = [padded_length(s.length, seq_multiple) for s in chosen]
+        seq_lengths = [padded_length(n, seq_multiple) for n in lengths]
         seq_lengths[-1] += padded_length(sum(seq_lengths), multiple) - sum(seq_lengths)
     else:
-        seq_lengths = [padded_length(max(s.length for s in chosen), multiple)] * b
-    full = _padded_rows(chosen, max(seq_lengths), pad_id, token_advantages)
+        seq_lengths = [padded_length(max(lengths), multiple)] * b
+    full = _padded_rows(
+        chosen,
+        np.array(lengths),
+        np.array(prompt_lengths),
+        max(seq_lengths),
+        pad_id,
+        token_advantages,
+    )
     # This CP rank's positions of every sequence, and where they land in its row.
     local_lengths = np.array(seq_lengths) // cp_size
     row_len = int(local_lengths.max())
@@ -289,6 +298,7 @@ def build_microbatch(
         columns = np.arange(int(starts[-1])) - np.repeat(starts[:-1], local_lengths)
         positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
     inside = np.arange(row_len)[None, :] < local_lengths[:, None]
+    picked = np.flatnonzero(inside) if whole_rows and packed else None
 
     def to_rows(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None:
@@ -302,7 +312,9 @@ def build_microbatch(
     def to_model(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None or not packed:
             return to_rows(t)
-        return torch.from_numpy((t[inside] if whole_rows else t[rows, positions])[None])
+        if whole_rows:  # the padded rows' tokens inside each sequence, flat positions
+            return torch.from_numpy(t.reshape((-1,) + t.shape[2:])[picked][None])
+        return torch.from_numpy(t[rows, positions][None])
 
     row_index = cu_seqlens = None
     if packed:
@@ -407,20 +419,18 @@ def _attention_rows(seq_lengths: Sequence[int]) -> _AttentionRows:
     )
 
 
-def response_mask(samples: Sequence[TrainSample]) -> torch.Tensor:
-    """[b, longest response] float32: each response's loss mask (1 where none is given), 0 past
-    its end."""
-    lengths = np.array([len(s.response_ids) for s in samples])
-    width = int(lengths.max())
-    mask = np.zeros(len(samples) * width, dtype=np.float32)
-    mask[_flat_index(np.arange(len(samples)) * width, lengths)] = _floats(
-        [
-            itertools.repeat(1.0, n) if s.loss_mask is None else s.loss_mask
-            for s, n in zip(samples, lengths.tolist(), strict=True)
-        ],
-        int(lengths.sum()),
-    )
-    return torch.from_numpy(mask.reshape(len(samples), width))
+def denominator_of(samples: Sequence[TrainSample], per_token: bool) -> int:
+    """`denominator_count` of the samples' response mask (each loss mask as float32, 1 where
+    none is given), counted without building it: the response tokens whose mask is nonzero
+    (`per_token`), else the samples with at least one."""
+    count = 0
+    for s in samples:
+        if s.loss_mask is None:
+            nonzero = len(s.response_ids)
+        else:
+            nonzero = int(np.count_nonzero(np.asarray(s.loss_mask, dtype=np.float32)))
+        count += nonzero if per_token else nonzero > 0
+    return count
 
 
 def _flat_index(row_starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -435,12 +445,16 @@ def _floats(values: Sequence[Sequence[float]], count: int) -> np.ndarray:
 
 
 def _padded_rows(
-    chosen: Sequence[TrainSample], seq_len: int, pad_id: int, token_advantages: bool
+    chosen: Sequence[TrainSample],
+    lengths: np.ndarray,
+    prompt_lengths: np.ndarray,
+    seq_len: int,
+    pad_id: int,
+    token_advantages: bool,
 ) -> dict[str, np.ndarray | None]:
-    """Every field as [b, seq_len] right-padded rows (per-sequence values as [b])."""
+    """Every field as [b, seq_len] right-padded rows (per-sequence values as [b]); `lengths`
+    and `prompt_lengths` are the samples'."""
     b = len(chosen)
-    lengths = np.array([s.length for s in chosen])
-    prompt_lengths = np.array([len(s.prompt_ids) for s in chosen])
     response_lengths = lengths - prompt_lengths
     row_starts = np.arange(b) * seq_len
     # Label-aligned response positions: row r, columns prompt_len-1 .. len-2.

@@ -29,7 +29,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gspo_megatron.algorithms.gae import value_loss_terms
-from gspo_megatron.algorithms.losses import denominator_count, policy_loss_terms
+from gspo_megatron.algorithms.losses import get_policy_loss, policy_loss_terms
 from gspo_megatron.algorithms.metrics import (
     CLIP_BUCKET_PREFIX,
     clip_buckets,
@@ -43,10 +43,10 @@ from gspo_megatron.megatron.batch import (
     MicroBatch,
     assemble_cp_rows,
     build_microbatch,
+    denominator_of,
     padded_length,
     plan_packed,
     plan_padded,
-    response_mask,
 )
 from gspo_megatron.megatron.logprobs import vocab_parallel_logprobs
 from gspo_megatron.megatron.lora import freeze_base, init_adapters
@@ -803,7 +803,8 @@ class TrainingEngine:
 
     def _global_denominator(self, samples: Sequence[TrainSample], loss: LossSettings) -> float:
         """D of the normalisation contract over the whole minibatch (known before the forward)."""
-        return float(max(int(denominator_count(loss.name, response_mask(samples))), 1))
+        per_token = get_policy_loss(loss.name).denominator == "tokens"
+        return float(max(denominator_of(samples, per_token), 1))
 
     def _cp_sum(self, partial_sums: torch.Tensor) -> torch.Tensor:
         return _AllReduceSum.apply(partial_sums, self._cp_group)
@@ -842,19 +843,23 @@ class TrainingEngine:
                 op_keys = [k for k, op in key_ops.items() if op in ops]
                 if not op_keys:
                     continue
-                signs = torch.tensor(
-                    [-1.0 if key_ops[k] == "min" else 1.0 for k in op_keys],
-                    dtype=torch.float64,
-                    device=per_mb[0][op_keys[0]].device,
-                )
                 # One float64 vector per micro-batch, combined left to right on the device.
-                combine = torch.add if ops == ("sum",) else torch.maximum
-                local = reduce(
-                    combine, (torch.stack([d[k] for k in op_keys]) * signs for d in per_mb)
-                )
-                if not alone:
-                    dist.all_reduce(local, op=torch_op, group=group)
-                reduced.append(local * signs)
+                vectors = (torch.stack([d[k] for k in op_keys]) for d in per_mb)
+                if ops == ("sum",):
+                    local = reduce(torch.add, vectors)
+                    if not alone:
+                        dist.all_reduce(local, op=torch_op, group=group)
+                    reduced.append(local)
+                else:
+                    signs = torch.tensor(
+                        [-1.0 if key_ops[k] == "min" else 1.0 for k in op_keys],
+                        dtype=torch.float64,
+                        device=per_mb[0][op_keys[0]].device,
+                    )
+                    local = reduce(torch.maximum, (vector * signs for vector in vectors))
+                    if not alone:
+                        dist.all_reduce(local, op=torch_op, group=group)
+                    reduced.append(local * signs)
                 names.extend(op_keys)
             # read back once
             result.update(zip(names, torch.cat(reduced).tolist(), strict=True))

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from gspo_megatron.algorithms.losses import denominator_count, get_policy_loss
 from gspo_megatron.megatron.batch import (
     assemble_cp_rows,
     build_microbatch,
+    denominator_of,
     karmarkar_karp,
     plan_packed,
     plan_padded,
@@ -143,3 +145,28 @@ def test_packed_layout_holds_the_padded_rows_on_every_cp_rank(cp, multiple):
             assert torch.equal(rows[row, : s.length], getattr(padded, name)[row, : s.length])
     assert first.max_seqlen == max(lengths)
     assert torch.equal(padded.advantages, first.advantages)
+
+
+@pytest.mark.parametrize("name", ["gspo", "ppo"])  # D counts sequences, then tokens
+def test_denominator_of_equals_denominator_count_of_the_response_mask(name):
+    """The engine's D, counted from the samples' lists, equals `denominator_count` of their
+    response mask built as a float32 tensor: masks absent, all zero, below float32's range
+    (rounded to 0), NaN and negative."""
+    rng = random.Random(3)
+    special = [0.0, 1.0, 1e-50, -0.5, float("nan"), 2.0**-149]
+    samples = []
+    for i in range(40):
+        n = rng.randint(1, 6)
+        mask = None
+        if i % 5:
+            mask = [rng.choice(special) if rng.random() < 0.6 else 0.0 for _ in range(n)]
+        samples.append(TrainSample(prompt_ids=[1], response_ids=[2] * n, loss_mask=mask))
+    width = max(len(s.response_ids) for s in samples)
+    rows = torch.zeros(len(samples), width)
+    for row, s in zip(rows, samples, strict=True):
+        n = len(s.response_ids)
+        row[:n] = torch.ones(n) if s.loss_mask is None else torch.tensor(s.loss_mask)
+    want = int(denominator_count(name, rows))
+    per_token = get_policy_loss(name).denominator == "tokens"
+    assert denominator_of(samples, per_token) == want
+    assert denominator_of(samples[:1], per_token) == int(denominator_count(name, rows[:1]))
