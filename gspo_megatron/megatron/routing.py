@@ -162,17 +162,18 @@ class RouteRecorder:
         counts = counts.double()
         if dist.get_world_size() > 1:
             dist.all_reduce(counts)
-        changed, compared, replayed, routed = counts.unbind(-1)
+        # read back once; whole numbers below 2**53, so every sum below is exact
+        changed, compared, replayed, routed = counts.T.tolist()
         sums = {
-            "moe/route_change_fraction/sum": changed.sum(),
-            "moe/route_change_fraction/count": compared.sum(),
+            "moe/route_change_fraction/sum": sum(changed),
+            "moe/route_change_fraction/count": sum(compared),
         }
         for layer in range(self.num_layers):
             sums[f"moe/route_change/layer_{layer}/sum"] = changed[layer]
             sums[f"moe/route_change/layer_{layer}/count"] = compared[layer]
-        if routed.sum() > 0:
-            sums["moe/replay_coverage/sum"] = replayed.sum()
-            sums["moe/replay_coverage/count"] = routed.sum()
+        if sum(routed) > 0:
+            sums["moe/replay_coverage/sum"] = sum(replayed)
+            sums["moe/replay_coverage/count"] = sum(routed)
         return finalize_metrics(sums, omit_empty=("moe/",))
 
     # -- assembling recorded routes ---------------------------------------------------------

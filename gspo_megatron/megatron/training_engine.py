@@ -810,13 +810,16 @@ class TrainingEngine:
         return _AllReduceSum.apply(partial_sums, self._cp_group)
 
     def _all_finite(self, loss_value: float) -> bool:
+        buffers = [b for m in self.model for b in (*m.buffers, *m.expert_parallel_buffers)]
+        if dist.get_world_size() == 1 and len(buffers) == 1:
+            # the common case of one process: one reduction, read once
+            return math.isfinite(loss_value) and bool(torch.isfinite(buffers[0].grad_data.sum()))
         # Counted on the device and read once: no host sync per gradient buffer.
         nonfinite = torch.full(
             (1,), 0.0 if math.isfinite(loss_value) else 1.0, device=accelerator()
         )
-        for m in self.model:
-            for buffer in list(m.buffers) + list(m.expert_parallel_buffers):
-                nonfinite += ~torch.isfinite(buffer.grad_data.sum())
+        for buffer in buffers:
+            nonfinite += ~torch.isfinite(buffer.grad_data.sum())
         if dist.get_world_size() > 1:
             dist.all_reduce(nonfinite)
         return nonfinite.item() == 0.0

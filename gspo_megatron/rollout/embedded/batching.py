@@ -272,7 +272,8 @@ class GenerationBatch:
 
     def _emit(self, done: torch.Tensor, end: int) -> None:
         """Rows `done` are complete up to slot `end` (exclusive): make their samples."""
-        # one device-to-host copy per array, and one conversion to Python lists per array
+        # one device-to-host copy per array, and one conversion to Python lists per array; each
+        # sample's routes are a view of its own row of the routes copied here
         tokens = self.tokens[done, :end].cpu()
         logprobs = self.logprobs[done, :end].tolist()
         routes = self.routes[done, : end - 1].cpu().numpy() if self.routes is not None else None
@@ -291,7 +292,7 @@ class GenerationBatch:
                 logprobs=logprobs[i][first:],
                 finish_reason="stop" if stopped else "length",
                 weight_version=version,
-                routed_experts=None if routes is None else routes[i, start:].copy(),
+                routed_experts=None if routes is None else routes[i, start:],
                 token_versions=None if versions is None else versions[i][first:],
             )
 

@@ -67,10 +67,11 @@ def sample_tokens(
         x = x.masked_fill(~torch.zeros_like(keep).scatter(1, order, keep), -math.inf)
     logp = torch.log_softmax(x, dim=-1)
     cdf = logp.double().exp().cumsum(dim=-1)
-    target = uniforms * cdf[:, -1]
-    tokens = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    # [B, 1] columns throughout: no reshaping between the steps
+    target = uniforms[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
     # u * total rounding up to total could land on a trailing masked token: take the mode
     # (unconditionally, so that no host sync decides it).
-    tokens = torch.where(torch.isinf(chosen), logp.argmax(dim=-1), tokens)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    modes = logp.argmax(dim=-1, keepdim=True)
+    tokens = torch.where(torch.isinf(logp.gather(1, tokens)), modes, tokens)
+    return tokens.squeeze(1), logp.gather(1, tokens).squeeze(1)
