@@ -268,22 +268,13 @@ def build_microbatch(
     """
     chosen = [samples[i] for i in indices]
     b = len(chosen)
-    prompt_lengths = [len(s.prompt_ids) for s in chosen]
-    lengths = [p + len(s.response_ids) for p, s in zip(prompt_lengths, chosen, strict=True)]
     if packed:
         seq_multiple = 2 * cp_size if cp_size > 1 else 1
-        seq_lengths = [padded_length(n, seq_multiple) for n in lengths]
+        seq_lengths = [padded_length(s.length, seq_multiple) for s in chosen]
         seq_lengths[-1] += padded_length(sum(seq_lengths), multiple) - sum(seq_lengths)
     else:
-        seq_lengths = [padded_length(max(lengths), multiple)] * b
-    full = _padded_rows(
-        chosen,
-        np.array(lengths),
-        np.array(prompt_lengths),
-        max(seq_lengths),
-        pad_id,
-        token_advantages,
-    )
+        seq_lengths = [padded_length(max(s.length for s in chosen), multiple)] * b
+    full = _padded_rows(chosen, max(seq_lengths), pad_id, token_advantages)
     # This CP rank's positions of every sequence, and where they land in its row.
     local_lengths = np.array(seq_lengths) // cp_size
     row_len = int(local_lengths.max())
@@ -298,7 +289,6 @@ def build_microbatch(
         columns = np.arange(int(starts[-1])) - np.repeat(starts[:-1], local_lengths)
         positions = np.concatenate([_cp_positions(n, cp_size, cp_rank) for n in seq_lengths])
     inside = np.arange(row_len)[None, :] < local_lengths[:, None]
-    picked = np.flatnonzero(inside) if whole_rows and packed else None
 
     def to_rows(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None:
@@ -312,9 +302,7 @@ def build_microbatch(
     def to_model(t: np.ndarray | None) -> torch.Tensor | None:
         if t is None or not packed:
             return to_rows(t)
-        if whole_rows:  # the padded rows' tokens inside each sequence, flat positions
-            return torch.from_numpy(t.reshape((-1,) + t.shape[2:])[picked][None])
-        return torch.from_numpy(t[rows, positions][None])
+        return torch.from_numpy((t[inside] if whole_rows else t[rows, positions])[None])
 
     row_index = cu_seqlens = None
     if packed:
@@ -445,16 +433,12 @@ def _floats(values: Sequence[Sequence[float]], count: int) -> np.ndarray:
 
 
 def _padded_rows(
-    chosen: Sequence[TrainSample],
-    lengths: np.ndarray,
-    prompt_lengths: np.ndarray,
-    seq_len: int,
-    pad_id: int,
-    token_advantages: bool,
+    chosen: Sequence[TrainSample], seq_len: int, pad_id: int, token_advantages: bool
 ) -> dict[str, np.ndarray | None]:
-    """Every field as [b, seq_len] right-padded rows (per-sequence values as [b]); `lengths`
-    and `prompt_lengths` are the samples'."""
+    """Every field as [b, seq_len] right-padded rows (per-sequence values as [b])."""
     b = len(chosen)
+    lengths = np.array([s.length for s in chosen])
+    prompt_lengths = np.array([len(s.prompt_ids) for s in chosen])
     response_lengths = lengths - prompt_lengths
     row_starts = np.arange(b) * seq_len
     # Label-aligned response positions: row r, columns prompt_len-1 .. len-2.

@@ -105,50 +105,23 @@ class RouteRecorder:
     def after_forward(self, mb: MicroBatch, vp_stage: int | None, sink: list | None) -> None:
         if not self.record or (sink is None and mb.routed_experts is None):
             return
-        routers = self.routers.get(vp_stage, [])
-        if not routers:
-            return
-        layers = [layer for layer, _ in routers]
-        recorded = torch.stack(  # [b, s, this chunk's layers, k]
-            [
-                self._from_router_view(
-                    replay_obj.used_topk_idx if self.replay else replay_obj.recorded_topk_idx,
-                    mb.tokens.shape,
-                )
-                for _, replay_obj in routers
-            ],
-            dim=2,
-        )
-        if mb.routed_experts is not None and not self.replay and self.count:
-            self._count_changes(layers, recorded, mb.routed_experts, mb.has_label)
-        if sink is not None:
+        layers, recorded = [], []
+        for layer, replay_obj in self.routers.get(vp_stage, []):
+            routes = replay_obj.used_topk_idx if self.replay else replay_obj.recorded_topk_idx
+            layers.append(layer)
+            recorded.append(self._from_router_view(routes, mb.tokens.shape))
+            if mb.routed_experts is not None and not self.replay and self.count:
+                old = mb.routed_experts[:, :, layer, :]
+                self._count(layer, changed=(recorded[-1], old), valid=mb.has_label, routed=False)
+        if sink is not None and layers:
             sink.append(
                 {
                     "indices": mb.indices,
                     "seq_lengths": mb.seq_lengths,
                     "layers": layers,
-                    "routes": mb.rows(recorded.to(torch.int16)),
+                    "routes": mb.rows(torch.stack(recorded, dim=2).to(torch.int16)),
                 }
             )
-
-    def _count_changes(
-        self,
-        layers: list[int],
-        recorded: torch.Tensor,
-        carried: torch.Tensor,
-        valid: torch.Tensor,
-    ) -> None:
-        """Add a forward's compared tokens (`valid`) of every layer in `layers` at once, and
-        those whose recorded experts ([b, s, len(layers), k]) differ from the routes the batch
-        carries (`carried`, [b, s, num_layers, k]) as a set."""
-        old = carried[:, :, layers, :].to(recorded.dtype)
-        same = torch.sort(recorded, dim=-1).values == torch.sort(old, dim=-1).values
-        changed = (~same.all(dim=-1) & valid[:, :, None]).sum(dim=(0, 1))  # [len(layers)]
-        zero = torch.zeros_like(changed)
-        rows = torch.stack([changed, valid.sum().expand_as(changed), zero, zero], dim=1)
-        if self._counts is None:
-            self._counts = torch.zeros(self.num_layers, 4, dtype=torch.int64, device=valid.device)
-        self._counts[layers] += rows
 
     def step_metrics(self) -> dict[str, float]:
         """The schedule's route counts over every rank (each layer lives on one pipeline stage;
