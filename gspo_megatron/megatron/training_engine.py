@@ -471,7 +471,6 @@ class TrainingEngine:
                 record_routes=want_routes,
                 replay_routes=replay,
                 route_sink=outputs,
-                count_routes=False,  # the route counts are an optimizer step's metrics only
             )
         if self.trainable:
             self._set_training(True)
