@@ -425,11 +425,13 @@ def _pad_ids(rows: Sequence[Sequence[int]], width: int | None = None) -> torch.T
 
 def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:
     """[b, longest] float64 right-padded rows and their mask, filled in one assignment."""
-    lengths = torch.tensor([len(r) for r in rows])
-    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
-    values = torch.zeros(mask.shape, dtype=torch.float64)
-    values[mask] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.float64)
-    return values, mask
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    mask = np.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    values = np.zeros(mask.shape, dtype=np.float64)
+    values[mask] = np.fromiter(
+        itertools.chain.from_iterable(rows), dtype=np.float64, count=int(lengths.sum())
+    )
+    return torch.from_numpy(values), torch.from_numpy(mask)
 
 
 def _mismatch_stats(
