@@ -156,8 +156,9 @@ def check_partial_rollout(trainer) -> None:
 
 
 def check_staleness_gate_and_priority(trainer) -> None:
-    """A job waits for weights as new as its min_version; an urgent job overtakes it; a dead
-    process fails what is pending with one clear error."""
+    """A job waits for weights as new as its min_version; an urgent job, and a later one whose
+    weights are there, overtake it; a dead process fails what is pending with one clear
+    error."""
     engine, source = build_generator_process(run_config("async"), trainer, False)
     try:
         engine.update_weights(source, 0)
@@ -168,6 +169,10 @@ def check_staleness_gate_and_priority(trainer) -> None:
         urgent = engine.start_generate(prompts, 2, params, min_version=0, urgent=True)
         urgent.result(timeout=120)
         report("urgent_job_overtakes_gated_one", int(gated.done()), ok=not gated.done())
+        # submitted after the gated job, not urgent: its weights are there, so it goes first
+        ready = engine.start_generate(prompts, 2, params, min_version=0)
+        ready.result(timeout=120)
+        report("ready_job_overtakes_gated_one", int(gated.done()), ok=not gated.done())
         engine.update_weights(source, 1)
         versions = {v for s in flat(gated.result(timeout=120)) for v in s.versions()}
         waited = gated.job_stats.weights_wait_s

@@ -6,7 +6,8 @@
   response spans both versions in order, and every token's log-prob equals the recompute with
   its own version's weights within 1e-6;
 - a job waits for weights as new as its `min_version` (the staleness bound), an urgent job
-  (evaluation) overtakes a waiting one, and a killed process fails the pending jobs with one
+  (evaluation) and a later job whose weights are there (another batch's episode turns)
+  overtake a waiting one, and a killed process fails the pending jobs with one
   clear error;
 - a partial response continued from its first tokens (a checkpoint's) has the uninterrupted
   one's tokens, log-probs within 1e-6 of them and of the trainer's recompute, and samples only
@@ -39,6 +40,7 @@ CHECKS = [
     "partial_logprob_vs_trainer_per_version",
     "partial_both_versions_checked",
     "urgent_job_overtakes_gated_one",
+    "ready_job_overtakes_gated_one",
     "gated_job_waited_for_its_version",
     "dead_process_fails_pending_jobs",
     "partial_rows_hold_their_tokens",

@@ -25,8 +25,9 @@ own, prefills only the tokens its context adds; it drops them all as it takes ne
 Each job's counts go to the trainer ahead of its result (`fault_metrics`: rollout/prefix_cache_*).
 
 Jobs carry `min_version`: the process starts a job only with weights at least that new (the
-staleness bound; it waits for them otherwise), evaluation jobs go before queued training jobs,
-and each result reports how long the process waited for jobs and for weights.
+staleness bound; it waits for them otherwise, while jobs whose weights are there go ahead of
+it), evaluation jobs go before queued training jobs, then the oldest batch's jobs, and each
+result reports how long the process waited for jobs and for weights.
 
 Without `partial` (one_step_off, and async with rollout.pin_versions) a job is *pinned*: it is
 sampled by exactly one version, the newest published when it was submitted (or its
@@ -615,11 +616,8 @@ def _generator_main(
         if not pending or generator.snapshot_due():
             idle_s += time.monotonic() - since
             continue
-        # Urgent jobs first, then submission order; the next job waits for its weights
-        # (the staleness bound; a pinned job for its version) while newly arrived urgent ones
-        # may still overtake it.
-        job = min(pending, key=lambda j: (not j.urgent, j.job_id))
-        if published.value < max(job.min_version, job.pinned or 0, 0):
+        job = _next_job(pending, published.value)
+        if job is None:  # every job waits for newer weights (the staleness bound)
             time.sleep(_POLL_S)
             weights_wait_s += time.monotonic() - since
             continue
@@ -654,10 +652,21 @@ def _generator_main(
         if cache is not None:
             results.put(("cache", job.job_id, *cache))
         if progress is not None:
-            # Suspended for a snapshot: it goes on from what the snapshot records, first.
+            # Suspended for a snapshot: it goes on from what the snapshot records (it keeps
+            # its place: its id and min_version).
             pending.insert(0, dataclasses.replace(job, progress=progress, stats=stats))
             continue
         results.put(("result", job.job_id, samples, stats, None))
+
+
+def _next_job(pending: Sequence[_Job], published: int) -> _Job | None:
+    """The job to run next among those whose weights are published (a job waits for
+    `min_version`, a pinned one for its version): urgent ones (evaluation) first, then the
+    oldest batch's (lowest `min_version`: the one the trainer needs first), then submission
+    order. A job still waiting for newer weights holds up none that can start: the turns of a
+    batch of episodes submitted after it (rollout/episodes.py) go on meanwhile."""
+    ready = [j for j in pending if published >= max(j.min_version, j.pinned or 0, 0)]
+    return min(ready, key=lambda j: (not j.urgent, j.min_version, j.job_id), default=None)
 
 
 def _progress_of(job: _Job) -> JobProgress:
