@@ -15,7 +15,8 @@
 - async: a snapshot between two tokens records every row's tokens, the job goes on from it, and
   a new job given the same record (a resumed run's) returns the same samples bit for bit;
 - pinned (one_step_off): a weight update waits for the jobs pinned to the version before, which
-  keep their version; a snapshot lets the running job finish;
+  keep their version; jobs another thread submits while updates run keep theirs too (none
+  pinned to weights being overwritten); a snapshot lets the running job finish;
 - a LoRA policy: the process merges the synced adapters, its log-probs equal the trainer's
   recompute with the adapters within 1e-5 over two versions (and differ from the base model's
   by far more), and the base weights crossed with the first update only; a whole weight
@@ -57,6 +58,7 @@ CHECKS = [
     "update_waits_for_the_pinned_job",
     "pinned_job_keeps_its_version",
     "pinned_snapshot_waits_for_the_job",
+    "pinned_jobs_submitted_during_updates",
     "lora_process_logprob_vs_trainer_v0",
     "lora_adapters_change_logprobs_v0",
     "lora_process_logprob_vs_trainer_v1",

@@ -50,6 +50,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -168,7 +169,10 @@ class GeneratorProcessEngine:
         self._snapshots: dict[int, concurrent.futures.Future] = {}
         # pinned jobs not started yet: job id -> version (a weight update waits for them)
         self._unstarted: dict[int, int] = {}
-        self._changed = threading.Condition()  # guards the three dicts above
+        # the version a pinned job submitted now is sampled by: the newest published, or the
+        # one a weight update is writing (episode threads submit jobs while it runs)
+        self._pin_version = -1
+        self._changed = threading.Condition()  # guards the three dicts and _pin_version
         self._closed = False
         self._gone: str | None = None  # why the process can generate nothing more
         self._base_sent = False  # a LoRA policy's base weights went with an update
@@ -234,19 +238,19 @@ class GeneratorProcessEngine:
         if self._closed or self._gone:
             raise GeneratorProcessError(self._gone or "generate() on a closed generator process")
         floor = self.version if min_version is None else min_version
-        job = _Job(
-            job_id=next(self._ids),
-            prompts=[[int(t) for t in p] for p in prompts],
-            n=n,
-            params=params,
-            min_version=floor,
-            urgent=urgent,
-            pinned=None if self.settings.partial else max(self.version, floor),
-            progress=progress,
-        )
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.job_id = job.job_id  # type: ignore[attr-defined]
-        with self._changed:
+        with self._changed:  # pinned against a weight update of another thread (below)
+            job = _Job(
+                job_id=next(self._ids),
+                prompts=[[int(t) for t in p] for p in prompts],
+                n=n,
+                params=params,
+                min_version=floor,
+                urgent=urgent,
+                pinned=None if self.settings.partial else max(self._pin_version, floor),
+                progress=progress,
+            )
+            future.job_id = job.job_id  # type: ignore[attr-defined]
             self._futures[job.job_id] = future
             if job.pinned is not None:
                 self._unstarted[job.job_id] = job.pinned
@@ -345,12 +349,15 @@ class GeneratorProcessEngine:
 
     def _wait_for_pinned_jobs(self, version: int) -> None:
         """Pinned jobs of versions older than `version` take their weights from the staging
-        copy before it is overwritten (they have all been submitted, and started in order)."""
+        copy before it is overwritten; from then on, jobs are pinned to `version` (a job
+        submitted by another thread while the copy is overwritten waits for it to be
+        published, instead of being pinned to weights no longer there)."""
         with self._changed:
             while any(v < version for v in self._unstarted.values()):
                 if self._closed:
                     return
                 self._changed.wait(timeout=1.0)
+            self._pin_version = version
 
     def close(self) -> None:
         if self._closed:
@@ -675,4 +682,7 @@ def _progress_of(job: _Job) -> JobProgress:
 
 def _report_failure(results, job: _Job, err: BaseException) -> None:
     line = f"{type(err).__name__}: {err}"
-    results.put(("result", job.job_id, None, None, (line, traceback.format_exc())))
+    raised = sys.exc_info()[1] is err  # else a check's error, never raised: no traceback
+    results.put(
+        ("result", job.job_id, None, None, (line, traceback.format_exc() if raised else line))
+    )
