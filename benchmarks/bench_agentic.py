@@ -55,6 +55,12 @@ batches hide one another's generation behind their tool calls, which the turn-sy
 pays in full, so at short latencies the measured ratio can be above it; at long latencies it is
 the limit.
 
+Measured 2026-12-04 02:38-02:50 UTC, shared 2-core machine, load average 3.1 rising to 11.8
+(`python benchmarks/bench_agentic.py`, defaults): stream of 4 batches under async, streamed /
+turn-synchronous 3.31x at 20 ms, 4.08x at 100 ms, 3.79x at 300 ms (free-generation ratio
+3.70x); one_step_off before the batch barrier was removed 1.66x / 1.97x at 20 / 100 ms, after
+3.48x / 3.72x (docs/ENVIRONMENTS.md, "A stream of batches").
+
 Equal work, checked: the same episodes (prompts, turns and tool latencies fixed by each
 episode's label), the same number of model turns (asserted) and the same context lengths at
 every turn (the prefill counts, asserted equal), so the same number of generated tokens. The
