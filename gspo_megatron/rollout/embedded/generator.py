@@ -31,9 +31,11 @@ result reports how long the process waited for jobs and for weights.
 
 Without `partial` (one_step_off, and async with rollout.pin_versions) a job is *pinned*: it is
 sampled by exactly one version, the newest published when it was submitted (or its
-`min_version`, if newer). The trainer's next weight update waits until every job pinned to an
-older version has started (taken its weights), so the version it needs is still in the staging
-copy: which weights sample which batch does not depend on timing, and a run is deterministic.
+`min_version`, if newer; or, submitted by another thread while an update writes the staging
+copy, the version being written). The trainer's next weight update waits until every job pinned
+to an older version has started (taken its weights), so the version it needs is still in the
+staging copy: which weights sample which batch does not depend on timing, and a run is
+deterministic.
 
 A checkpoint asks for a snapshot (`snapshot`): the process answers between two tokens (with
 `partial`; the job running is suspended, its rows' tokens so far recorded, and it goes on as a
