@@ -59,7 +59,9 @@ Measured 2026-12-04 02:38-02:50 UTC, shared 2-core machine, load average 3.1 ris
 (`python benchmarks/bench_agentic.py`, defaults): stream of 4 batches under async, streamed /
 turn-synchronous 3.31x at 20 ms, 4.08x at 100 ms, 3.79x at 300 ms (free-generation ratio
 3.70x); one_step_off before the batch barrier was removed 1.66x / 1.97x at 20 / 100 ms, after
-3.48x / 3.72x (docs/ENVIRONMENTS.md, "A stream of batches").
+3.48x / 3.72x (docs/ENVIRONMENTS.md, "A stream of batches"). That default run took 12 minutes
+on the loaded machine, 7 of them the stream's (300 ms dominates: `--median-latency-s 0.02 0.1`
+for a quicker look).
 
 Equal work, checked: the same episodes (prompts, turns and tool latencies fixed by each
 episode's label), the same number of model turns (asserted) and the same context lengths at
