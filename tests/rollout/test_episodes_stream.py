@@ -87,7 +87,7 @@ class Slow(Environment):
     """Three model turns; the episodes of every fourth prompt (one per batch) take `slow_s` per
     tool call. Logs when each episode starts and ends."""
 
-    slow_s = 0.4
+    slow_s = 0.5
     log: list[tuple[str, str, float]] = []
     lock = threading.Lock()
 
@@ -159,14 +159,14 @@ def test_the_next_batch_of_episodes_runs_beside_the_stragglers(depth, bound):
         assert max(step - v for v in versions) <= bound and max(versions) <= step
         assert all(s.episode.turns == 3 and s.episode.env_reward == 1.0 for g in groups for s in g)
     # No batch barrier: batch k+1's episodes had started when the trainer came for batch k
-    # (within a thread's start), and ran while the trainer waited for a straggler of batch k
-    # (its first prompt's episodes: 0.8 s of tool calls) at least once.
+    # (within a loaded machine's thread start), and ran while the trainer waited for a straggler
+    # of batch k (its first prompt's episodes: 1 s of tool calls) at least once.
     start = {label: t for label, what, t in streamed if what == "start"}
     end = {label: t for label, what, t in streamed if what == "end"}
     overlapped = 0
     for step in range(STEPS - 1):
         slowest = end[str(PER_STEP * step)]
         following = min(start[str(i)] for i in range(PER_STEP * (step + 1), PER_STEP * (step + 2)))
-        assert following < came[step] + 0.25, f"batch {step + 1} waited for batch {step}"
+        assert following < came[step] + 0.5, f"batch {step + 1} waited for batch {step}"
         overlapped += following < slowest and came[step] < slowest
     assert overlapped
