@@ -7,7 +7,8 @@
   its own version's weights within 1e-6;
 - a job waits for weights as new as its `min_version` (the staleness bound), an urgent job
   (evaluation) and a later job whose weights are there (another batch's episode turns)
-  overtake a waiting one, and a killed process fails the pending jobs with one
+  overtake a waiting one (and, without a process, the order the process picks its queued jobs
+  in), and a killed process fails the pending jobs with one
   clear error;
 - a partial response continued from its first tokens (a checkpoint's) has the uninterrupted
   one's tokens, log-probs within 1e-6 of them and of the trainer's recompute, and samples only
@@ -74,3 +75,22 @@ def test_generator_process_against_the_trainer():
     assert sorted(results) == sorted(CHECKS), sorted(results)
     failed = [r for r in results.values() if not r["ok"]]
     assert not failed, failed
+
+
+def test_the_next_job_is_the_first_whose_weights_are_there():
+    """The process's choice among its queued jobs (`_next_job`): one waiting for newer weights
+    (min_version, or a pinned version) is passed over; among the rest, urgent ones first, then
+    the oldest batch's (lowest min_version), then submission order."""
+    from gspo_megatron.rollout.base import SamplingParams
+    from gspo_megatron.rollout.embedded.generator import _Job, _next_job
+
+    def job(job_id, min_version, urgent=False, pinned=None):
+        return _Job(job_id, [[1]], 1, SamplingParams(), min_version, urgent, pinned)
+
+    gated, later_batch, older_batch = job(0, 2), job(1, 1), job(2, 0)
+    assert _next_job([gated, later_batch, older_batch], published=1) is older_batch
+    assert _next_job([gated, later_batch], published=1) is later_batch
+    assert _next_job([gated], published=1) is None
+    assert _next_job([gated, later_batch, job(3, 1, urgent=True)], published=1).job_id == 3
+    assert _next_job([job(4, 0, pinned=2), job(5, 1, pinned=1)], published=1).job_id == 5
+    assert _next_job([job(6, 1), job(7, 1)], published=2).job_id == 6
