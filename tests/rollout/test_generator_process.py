@@ -8,8 +8,7 @@
 - a job waits for weights as new as its `min_version` (the staleness bound), an urgent job
   (evaluation) and a later job whose weights are there (another batch's episode turns)
   overtake a waiting one (and, without a process, the order the process picks its queued jobs
-  in), and a killed process fails the pending jobs with one
-  clear error;
+  in), and a killed process fails the pending jobs with one clear error;
 - a partial response continued from its first tokens (a checkpoint's) has the uninterrupted
   one's tokens, log-probs within 1e-6 of them and of the trainer's recompute, and samples only
   what it lacked;
