@@ -17,7 +17,8 @@ engine:
 - An engine outside the trainer (SGLang servers; the generator process of rollout.mode
   one_step_off / async): rank 0 runs the episodes in a thread of its own (`submit`: one future
   for the whole batch, which the driver waits for as for any generate job, and which the
-  rollout pipeline keeps running while the trainer trains). An episode's turn goes to the
+  rollout pipeline keeps running while the trainer trains; every batch has a thread of its
+  own, so the episodes of all the batches in flight go together). An episode's turn goes to the
   engine as soon as it is due, with at most env.max_concurrent_turns turns in flight; to an
   engine that runs one job at a time (`runs_one_job_at_a_time`: the generator process) the
   turns that become due while a job runs go together as the next job. Every turn job carries

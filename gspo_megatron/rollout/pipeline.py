@@ -7,6 +7,16 @@ engine generates them while step k+1 trains. J(s) trains from version s-1, so it
 and no token it generates is more than `max_staleness` versions older than the weights that
 train on it ("never started" rather than dropped).
 
+No batch barrier: before the trainer waits for J(k+1), the pipeline already submits the batches
+beyond it (up to `depth` of them) that the engine may start with the weights it holds
+(min_version <= k), so while J(k+1)'s last responses or episodes finish (an episode waiting on
+its tools), the next batch generates: with one_step_off, J(k+2) (min_version k); with async,
+J(k+2) is in flight already and J(k+3) joins when max_staleness >= 2. A batch that would wait
+for weights not trained yet is submitted after the wait, as before. So at most `depth` + 1
+batches are in flight while the trainer waits, `depth` while it trains; the engine starts the
+jobs it can (the generator process: a job waiting for newer weights holds up none that can
+start, and the oldest batch's go first).
+
 The sampler draws each batch's prompts when the batch is submitted, in step order, with the
 seeds a synchronous run would use for that step. A checkpoint records the sampler as it was
 before the oldest batch still in flight and the batches in flight with what the engine has
@@ -14,8 +24,10 @@ generated of them (`in_flight`, rollout/inflight.py); a resumed run draws those 
 and continues each batch from its record (`restore`): complete samples are kept, partial ones
 go on from their tokens, so nothing generated before the checkpoint is generated again.
 
-With an environment (`episodes`), each batch is a batch of episodes run by rank 0's episode
-thread (rollout/episodes.py: every turn a job of the engine under the batch's `min_version`).
+With an environment (`episodes`), each batch is a batch of episodes run by a thread of its own
+on rank 0 (rollout/episodes.py: every turn a job of the engine under the batch's
+`min_version`), so the episodes of every batch in flight go at their own pace together, each
+batch with at most env.max_concurrent_turns turns in flight.
 A checkpoint records such a batch as not started: an environment's state is not in the
 checkpoint, so a resumed run generates the batch's episodes again from their first turn
 (their `async/restored_tokens` is 0).
@@ -82,6 +94,7 @@ class RolloutPipeline:
             self._submit(step)
         head = self.ahead[0]
         ready = sum(1 for a in self.ahead if a.submitted.job is not None and a.submitted.job.done())
+        self._submit_startable(step)
         waited = time.perf_counter()
         groups = self.driver.collect(head.submitted)
         stats = {"time/rollout_wait": time.perf_counter() - waited}
@@ -104,6 +117,18 @@ class RolloutPipeline:
             self._submit(self.ahead[-1].step + 1 if self.ahead else step + 1)
         stats["async/queue_depth"] = float(len(self.ahead))
         return head.prompts, groups, stats
+
+    def _submit_startable(self, step: int) -> None:
+        """Before the trainer waits for batch `step`: submit the next batches, up to `depth`
+        beyond it, that the engine may start now (weights of version `step` are there): they
+        generate while the batch the trainer waits for finishes its stragglers (no batch
+        barrier). One beyond that would wait for weights not trained yet: it is submitted after
+        the wait, as before."""
+        while len(self.ahead) <= self.depth:
+            following = self.ahead[-1].step + 1
+            if following - self.max_staleness > step:
+                return
+            self._submit(following)
 
     def sampler_state(self) -> dict:
         """The sampler before the oldest batch in flight (what a checkpoint records)."""

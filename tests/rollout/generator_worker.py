@@ -156,8 +156,9 @@ def check_partial_rollout(trainer) -> None:
 
 
 def check_staleness_gate_and_priority(trainer) -> None:
-    """A job waits for weights as new as its min_version; an urgent job overtakes it; a dead
-    process fails what is pending with one clear error."""
+    """A job waits for weights as new as its min_version; an urgent job, and a later one whose
+    weights are there, overtake it; a dead process fails what is pending with one clear
+    error."""
     engine, source = build_generator_process(run_config("async"), trainer, False)
     try:
         engine.update_weights(source, 0)
@@ -168,6 +169,10 @@ def check_staleness_gate_and_priority(trainer) -> None:
         urgent = engine.start_generate(prompts, 2, params, min_version=0, urgent=True)
         urgent.result(timeout=120)
         report("urgent_job_overtakes_gated_one", int(gated.done()), ok=not gated.done())
+        # submitted after the gated job, not urgent: its weights are there, so it goes first
+        ready = engine.start_generate(prompts, 2, params, min_version=0)
+        ready.result(timeout=120)
+        report("ready_job_overtakes_gated_one", int(gated.done()), ok=not gated.done())
         engine.update_weights(source, 1)
         versions = {v for s in flat(gated.result(timeout=120)) for v in s.versions()}
         waited = gated.job_stats.weights_wait_s
@@ -300,7 +305,8 @@ def check_snapshot_and_resume(trainer) -> None:
 def check_pinned_jobs(trainer) -> None:
     """one_step_off (pinned): a weight update waits until the jobs pinned to the version before
     have started, so each batch is sampled by the version it was pinned to whatever the
-    timing; a snapshot lets the job running finish (the resumed run has no weights for it)."""
+    timing; a snapshot lets the job running finish (the resumed run has no weights for it);
+    jobs another thread submits during updates keep their pinned version."""
     engine, source = build_generator_process(run_config("one_step_off"), trainer, False)
     try:
         engine.update_weights(source, 0)
@@ -324,6 +330,25 @@ def check_pinned_jobs(trainer) -> None:
         report("pinned_snapshot_waits_for_the_job", int(not progress.complete),
                ok=progress.complete and running.done())  # fmt: skip
         busy.result(timeout=300)
+        # another thread submits jobs one after the other (an episode thread's turns) while
+        # updates run: each is sampled by the version it was pinned to, none fails
+        stop, jobs = threading.Event(), []
+
+        def submit() -> None:
+            while not stop.is_set():
+                jobs.append(engine.start_generate(prompts[:1], 1, SamplingParams(max_new_tokens=2)))
+                jobs[-1].exception(timeout=300)
+
+        submitter = threading.Thread(target=submit, daemon=True)
+        submitter.start()
+        for version in range(2, 10):
+            engine.update_weights(source, version)
+            time.sleep(0.01)
+        stop.set()
+        submitter.join(timeout=300)
+        failed = [j for j in jobs if j.exception() is not None]
+        report("pinned_jobs_submitted_during_updates", len(failed),
+               ok=not failed and len(jobs) > 1)  # fmt: skip
     finally:
         engine.close()
 

@@ -25,14 +25,17 @@ own, prefills only the tokens its context adds; it drops them all as it takes ne
 Each job's counts go to the trainer ahead of its result (`fault_metrics`: rollout/prefix_cache_*).
 
 Jobs carry `min_version`: the process starts a job only with weights at least that new (the
-staleness bound; it waits for them otherwise), evaluation jobs go before queued training jobs,
-and each result reports how long the process waited for jobs and for weights.
+staleness bound; it waits for them otherwise, while jobs whose weights are there go ahead of
+it), evaluation jobs go before queued training jobs, then the oldest batch's jobs, and each
+result reports how long the process waited for jobs and for weights.
 
 Without `partial` (one_step_off, and async with rollout.pin_versions) a job is *pinned*: it is
 sampled by exactly one version, the newest published when it was submitted (or its
-`min_version`, if newer). The trainer's next weight update waits until every job pinned to an
-older version has started (taken its weights), so the version it needs is still in the staging
-copy: which weights sample which batch does not depend on timing, and a run is deterministic.
+`min_version`, if newer; or, submitted by another thread while an update writes the staging
+copy, the version being written). The trainer's next weight update waits until every job pinned
+to an older version has started (taken its weights), so the version it needs is still in the
+staging copy: which weights sample which batch does not depend on timing, and a run is
+deterministic.
 
 A checkpoint asks for a snapshot (`snapshot`): the process answers between two tokens (with
 `partial`; the job running is suspended, its rows' tokens so far recorded, and it goes on as a
@@ -49,6 +52,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -167,7 +171,10 @@ class GeneratorProcessEngine:
         self._snapshots: dict[int, concurrent.futures.Future] = {}
         # pinned jobs not started yet: job id -> version (a weight update waits for them)
         self._unstarted: dict[int, int] = {}
-        self._changed = threading.Condition()  # guards the three dicts above
+        # the version a pinned job submitted now is sampled by: the newest published, or the
+        # one a weight update is writing (episode threads submit jobs while it runs)
+        self._pin_version = -1
+        self._changed = threading.Condition()  # guards the three dicts and _pin_version
         self._closed = False
         self._gone: str | None = None  # why the process can generate nothing more
         self._base_sent = False  # a LoRA policy's base weights went with an update
@@ -233,19 +240,19 @@ class GeneratorProcessEngine:
         if self._closed or self._gone:
             raise GeneratorProcessError(self._gone or "generate() on a closed generator process")
         floor = self.version if min_version is None else min_version
-        job = _Job(
-            job_id=next(self._ids),
-            prompts=[[int(t) for t in p] for p in prompts],
-            n=n,
-            params=params,
-            min_version=floor,
-            urgent=urgent,
-            pinned=None if self.settings.partial else max(self.version, floor),
-            progress=progress,
-        )
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.job_id = job.job_id  # type: ignore[attr-defined]
-        with self._changed:
+        with self._changed:  # pinned against a weight update of another thread (below)
+            job = _Job(
+                job_id=next(self._ids),
+                prompts=[[int(t) for t in p] for p in prompts],
+                n=n,
+                params=params,
+                min_version=floor,
+                urgent=urgent,
+                pinned=None if self.settings.partial else max(self._pin_version, floor),
+                progress=progress,
+            )
+            future.job_id = job.job_id  # type: ignore[attr-defined]
             self._futures[job.job_id] = future
             if job.pinned is not None:
                 self._unstarted[job.job_id] = job.pinned
@@ -344,12 +351,15 @@ class GeneratorProcessEngine:
 
     def _wait_for_pinned_jobs(self, version: int) -> None:
         """Pinned jobs of versions older than `version` take their weights from the staging
-        copy before it is overwritten (they have all been submitted, and started in order)."""
+        copy before it is overwritten; from then on, jobs are pinned to `version` (a job
+        submitted by another thread while the copy is overwritten waits for it to be
+        published, instead of being pinned to weights no longer there)."""
         with self._changed:
             while any(v < version for v in self._unstarted.values()):
                 if self._closed:
                     return
                 self._changed.wait(timeout=1.0)
+            self._pin_version = version
 
     def close(self) -> None:
         if self._closed:
@@ -615,11 +625,8 @@ def _generator_main(
         if not pending or generator.snapshot_due():
             idle_s += time.monotonic() - since
             continue
-        # Urgent jobs first, then submission order; the next job waits for its weights
-        # (the staleness bound; a pinned job for its version) while newly arrived urgent ones
-        # may still overtake it.
-        job = min(pending, key=lambda j: (not j.urgent, j.job_id))
-        if published.value < max(job.min_version, job.pinned or 0, 0):
+        job = _next_job(pending, published.value)
+        if job is None:  # every job waits for newer weights (the staleness bound)
             time.sleep(_POLL_S)
             weights_wait_s += time.monotonic() - since
             continue
@@ -654,10 +661,21 @@ def _generator_main(
         if cache is not None:
             results.put(("cache", job.job_id, *cache))
         if progress is not None:
-            # Suspended for a snapshot: it goes on from what the snapshot records, first.
+            # Suspended for a snapshot: it goes on from what the snapshot records (it keeps
+            # its place: its id and min_version).
             pending.insert(0, dataclasses.replace(job, progress=progress, stats=stats))
             continue
         results.put(("result", job.job_id, samples, stats, None))
+
+
+def _next_job(pending: Sequence[_Job], published: int) -> _Job | None:
+    """The job to run next among those whose weights are published (a job waits for
+    `min_version`, a pinned one for its version): urgent ones (evaluation) first, then the
+    oldest batch's (lowest `min_version`: the one the trainer needs first), then submission
+    order. A job still waiting for newer weights holds up none that can start: the turns of a
+    batch of episodes submitted after it (rollout/episodes.py) go on meanwhile."""
+    ready = [j for j in pending if published >= max(j.min_version, j.pinned or 0, 0)]
+    return min(ready, key=lambda j: (not j.urgent, j.min_version, j.job_id), default=None)
 
 
 def _progress_of(job: _Job) -> JobProgress:
@@ -666,4 +684,7 @@ def _progress_of(job: _Job) -> JobProgress:
 
 def _report_failure(results, job: _Job, err: BaseException) -> None:
     line = f"{type(err).__name__}: {err}"
-    results.put(("result", job.job_id, None, None, (line, traceback.format_exc())))
+    raised = sys.exc_info()[1] is err  # else a check's error, never raised: no traceback
+    results.put(
+        ("result", job.job_id, None, None, (line, traceback.format_exc() if raised else line))
+    )
