@@ -2,9 +2,12 @@
 
     python benchmarks/bench_engine.py [--steps 12] [--tokens 4096] [--vocab 151936]
 
-1. Step time: one GSPO optimizer step vs one plain cross-entropy step (megatron's
+1. Step time: one GSPO optimizer step as the trainer takes it (actor/entropy is measured by the
+   old-policy forward, not in the step) vs one plain cross-entropy step (megatron's
    vocab_parallel_cross_entropy) on the same tokens, same model, same schedule and optimizer;
-   alternated, median ratio (goal <= 1.05x).
+   alternated, median ratio (goal <= 1.05x). Beside them: the step measuring the entropy
+   itself (what it does without an old-policy forward, algorithm.old_logprobs=rollout), and the
+   old-policy forward without and with the entropy (where the metric's pass now is).
 2. Memory of per-token log-probs + entropy at a Qwen3 vocabulary: peak RSS growth above the
    logits, each variant in fresh subprocesses (median of 3, since the C allocator keeps some
    freed memory), for our chunked computation vs a plain float32 log_softmax, relative to the
@@ -74,12 +77,18 @@ def step_times(steps: int) -> None:
         s.old_logprobs = (lp + 0.01).tolist()
 
     def gspo_step() -> None:
+        # the trainer's optimizer step: actor/entropy comes from the old-policy forward
+        engine.train_step(samples, LossSettings("gspo"), entropy_metric=False)
+
+    def gspo_step_with_entropy() -> None:
+        # without an old-policy forward (algorithm.old_logprobs=rollout) the step measures it
         engine.train_step(samples, LossSettings("gspo"))
 
-    def gspo_step_without_entropy() -> None:
-        engine.settings.entropy_metric = False
-        engine.train_step(samples, LossSettings("gspo"))
-        engine.settings.entropy_metric = True
+    def old_forward() -> None:
+        engine.forward(samples)
+
+    def old_forward_with_entropy() -> None:
+        engine.forward(samples, with_entropy=True)
 
     # megatron is imported only after gspo_megatron.megatron installed its CPU shims.
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -99,7 +108,9 @@ def step_times(steps: int) -> None:
 
     variants = {
         "gspo step": gspo_step,
-        "gspo step, no entropy metric": gspo_step_without_entropy,
+        "gspo step, entropy in the step": gspo_step_with_entropy,
+        "old-policy forward": old_forward,
+        "old-policy forward + entropy": old_forward_with_entropy,
         "cross-entropy step": ce_step,
     }
     seconds: dict[str, list[float]] = {name: [] for name in variants}
@@ -114,7 +125,7 @@ def step_times(steps: int) -> None:
     print(f"step time ({steps} rounds, variants alternated, {tokens} tokens, vocab 8192, CPU):")
     for name, times in seconds.items():
         ratio = statistics.median(t / c for t, c in zip(times, ce, strict=True))
-        print(f"  {name:<30} {statistics.median(times):7.3f} s   {ratio:6.3f}x cross-entropy")
+        print(f"  {name:<32} {statistics.median(times):7.3f} s   {ratio:6.3f}x cross-entropy")
     print("  goal: gspo <= 1.05x cross-entropy")
     parallel.destroy()
 

@@ -1,10 +1,11 @@
 """Which of the metrics that cost work beyond the step's own a step computes
 (logging.costly_metrics_every; docs/STABILITY.md, "Metrics every N steps").
 
-Costly metrics: the policy's entropy on the trained tokens (a pass over the vocabulary in every
-training forward), the MoE route metrics (routes recorded in the old-policy forward, expert
-load, route flips against the rollout's experts, the training forwards' route-change counts and
-their reduction over ranks) and the train/rollout mismatch metrics. Each is computed on the
+Costly metrics: the policy's entropy on the trained tokens (a pass over the vocabulary in the
+old-policy forward, or in every training forward without one), the MoE route metrics (routes
+recorded in the old-policy forward, expert load, route flips against the rollout's experts, the
+training forwards' route-change counts and their reduction over ranks) and the train/rollout
+mismatch metrics. Each is computed on the
 steps that are multiples of the interval and on the run's last step, and on every step when a
 stability check reads it, so the collapse sentinel and the mismatch budget see what they watch
 at every step.

@@ -86,6 +86,7 @@ class StepInputSettings:
     credit: str = "episode"  # episode | turn
     turn_gamma: float = 1.0
     step_reward_scale: float = 1.0  # the rule reward's weight when a reward model scores too
+    entropy_metric: bool = True  # engine.entropy_metric: actor/entropy from the old forward
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> StepInputSettings:
@@ -112,6 +113,7 @@ class StepInputSettings:
             credit=alg.credit,
             turn_gamma=alg.turn_gamma,
             step_reward_scale=cfg.reward.rule_weight if cfg.reward.model_path else 1.0,
+            entropy_metric=cfg.engine.entropy_metric,
         )
 
 
@@ -172,7 +174,11 @@ class StepInputs:
             batch.samples = []
             return
         self._old_logprobs(
-            samples, [x.routed_experts for x in flat if x.response_ids], batch, metrics.routes
+            samples,
+            [x.routed_experts for x in flat if x.response_ids],
+            batch,
+            metrics.routes,
+            entropy=metrics.entropy and s.entropy_metric,
         )
         # The tokens with a rollout log-prob: all but an episode's observations.
         sampled = [x.loss_mask for x in flat if x.response_ids]
@@ -227,10 +233,13 @@ class StepInputs:
         rollout_routes: list[np.ndarray | None],
         batch: RolloutBatch,
         route_metrics: bool = True,
+        entropy: bool = False,
     ) -> None:
         """π_old (recomputed, or the rollout's), the routes, and with `route_metrics` the
         expert-load metrics and the route flips between the rollout engine's experts and the
-        old-policy forward's."""
+        old-policy forward's. With `entropy` and a recompute, actor/entropy: π_old's mean entropy
+        over the trained tokens, from the same forward (one pass over the vocabulary a step,
+        where the training forwards would take one per optimizer step)."""
         s = self.settings
         model = self.policy.model_config
         recompute = s.old_logprobs == "recompute"
@@ -242,11 +251,18 @@ class StepInputs:
         )
         if recompute or record:
             result = self.policy.forward(
-                samples, record_routes=record, replay_routes=s.routing_replay == "r3"
+                samples,
+                with_entropy=entropy and recompute,
+                record_routes=record,
+                replay_routes=s.routing_replay == "r3",
             )
             if recompute:
                 for x, lp in zip(samples, result.logprobs, strict=True):
                     x.old_logprobs = lp.tolist()
+            if result.entropy is not None:
+                mean = _trained_token_mean(samples, result.entropy)
+                if mean is not None:
+                    batch.stats["actor/entropy"] = mean
             if result.routes is not None and route_metrics:
                 batch.stats.update(_expert_load(result.routes, model.num_experts))
                 batch.stats.update(_route_flips(rollout_routes, result.routes))
@@ -421,6 +437,22 @@ def _pad_ids(rows: Sequence[Sequence[int]], width: int | None = None) -> torch.T
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out
+
+
+def _trained_token_mean(
+    samples: Sequence[TrainSample], values: Sequence[np.ndarray]
+) -> float | None:
+    """The mean of per-token `values` over the tokens the loss trains (each sample's loss mask,
+    1 where none is given), in float64; None when it trains none."""
+    total = count = 0.0
+    for sample, row in zip(samples, values, strict=True):
+        row = np.asarray(row, dtype=np.float64)
+        if sample.loss_mask is None:
+            total, count = total + row.sum(), count + len(row)
+        else:
+            mask = np.asarray(sample.loss_mask, dtype=np.float64)
+            total, count = total + (row * mask).sum(), count + mask.sum()
+    return float(total / count) if count else None
 
 
 def _pad(rows: Sequence[Sequence[float]]) -> tuple[torch.Tensor, torch.Tensor]:

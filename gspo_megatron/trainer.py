@@ -10,6 +10,7 @@ and stops on signals.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -232,6 +233,8 @@ class Trainer:
         metrics beyond the loss this step computes (logging.costly_metrics_every)."""
         alg, critic = self.cfg.algorithm, self.cfg.critic
         self.engine.set_lr_scale(self.rollbacks.lr_scale(self.step + 1))
+        if "actor/entropy" in batch.stats:  # measured by the old-policy forward (step_inputs)
+            costly = dataclasses.replace(costly, entropy=False)
         return run_optimizer_steps(
             batch.samples,
             self.engine,

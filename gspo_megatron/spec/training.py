@@ -48,7 +48,8 @@ class EngineSettings:
     nonfinite: skip | raise, for a non-finite loss or gradient (with skip, the run stops after
     trainer.max_consecutive_skipped_steps skipped optimizer steps in a row).
     recompute_activations: full activation recomputation (less memory, ~1/3 more compute).
-    entropy_metric: the policy's entropy on the trained tokens as a metric (~3% of a step).
+    entropy_metric: the policy's entropy on the trained tokens as a metric (one pass over the
+    vocabulary: in the old-policy forward when there is one, else in each training forward).
     logprob_chunk_bytes: one float32 buffer of the log-prob computation (bounds its memory).
     use_te: transformer-engine layers; null = when importable on a GPU.
     """

@@ -688,6 +688,33 @@ def test_costly_metrics_interval_under_routing_replay(composer, tokenizer, repla
         assert bool(costly) == (step == 3), (step, costly)
 
 
+def test_entropy_is_measured_once_a_step_by_the_old_policy_forward(composer, tokenizer):
+    """actor/entropy is π_old's mean entropy over the trained tokens (float64 reference from
+    the forward's per-token entropies and the loss masks, the overlong filter's holes
+    included), taken in the old-policy forward: no optimizer step measures it again. Without an
+    old-policy forward (rollout log-probs) the optimizer steps measure it, as before."""
+    run = run_fake(composer, tokenizer, "trainer.steps=2", "algorithm=dapo")
+    for (_, metrics), events in zip(run.log.records, run.journal.steps(), strict=True):
+        (forward,) = _step_calls(events, "forward", "policy")
+        assert forward.with_entropy
+        total = count = 0.0
+        for sample, ent in zip(forward.samples, forward.result.entropy, strict=True):
+            mask = [1.0] * len(ent) if sample.loss_mask is None else sample.loss_mask
+            total += sum(float(e) * m for e, m in zip(ent, mask, strict=True))
+            count += sum(mask)
+        assert metrics["actor/entropy"] == pytest.approx(total / count, rel=1e-12)
+        trains = _step_calls(events, "train")
+        assert trains and all("entropy" not in c.metrics for c in trains)
+        assert any(s.loss_mask is not None and 0.0 in s.loss_mask for s in forward.samples)
+    run = run_fake(composer, tokenizer, "trainer.steps=2", "algorithm.old_logprobs=rollout")
+    for (_, metrics), events in zip(run.log.records, run.journal.steps(), strict=True):
+        assert not any(c.with_entropy for c in _step_calls(events, "forward", "policy"))
+        trains = _step_calls(events, "train")
+        assert metrics["actor/entropy"] == pytest.approx(
+            np.mean([c.metrics["entropy"] for c in trains]), rel=1e-12
+        )
+
+
 def test_costly_metrics_a_stability_check_reads_stay_every_step(composer, tokenizer):
     """The sentinel's entropy signal and the mismatch budget read actor/entropy,
     mismatch/k3_kl and moe/route_flips at every step: those (the route metrics together) are
